@@ -1,0 +1,58 @@
+# gpuops.fleet: one entry point for set-up, tests, demo and benchmarks.
+# Every target works as root on a fresh Debian machine with Python 3.11.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+SITE := $(VENV)/lib/python3.11/site-packages
+COLL_LINK := $(SITE)/ansible_collections/gpuops/fleet
+WHEELS := .cache/wheels
+APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git
+
+.PHONY: all venv system-packages test sanity unit lint integration demo bench gpu-facts clean lab-down
+
+all: test
+
+system-packages: .cache/system.stamp
+.cache/system.stamp:
+	@bash tests/tools/install_system_packages.sh $(APT_PACKAGES)
+	@mkdir -p .cache && touch $@
+
+venv: $(VENV)/.stamp
+$(VENV)/.stamp: requirements-controller.txt requirements-target.txt requirements-dev.txt .cache/system.stamp
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -m pip install -q -r requirements-dev.txt
+	mkdir -p $(dir $(COLL_LINK)) && ln -sfn "$(CURDIR)" $(COLL_LINK)
+	mkdir -p $(WHEELS) && $(VPY) -m pip download -q -d $(WHEELS) -r requirements-target.txt supervisor
+	touch $@
+
+test: venv
+	@$(VPY) tests/tools/run_all.py
+
+sanity: venv
+	@$(VPY) tests/tools/run_all.py --only sanity
+
+unit: venv
+	@$(VPY) tests/tools/run_all.py --only unit
+
+lint: venv
+	@$(VPY) tests/tools/run_all.py --only lint
+
+integration: venv
+	@$(VPY) tests/tools/run_all.py --only integration
+
+demo: venv
+	@$(VPY) tests/lab/demo.py
+
+bench: venv
+	@$(VPY) tests/tools/bench_all.py
+
+gpu-facts: venv
+	@$(VPY) tests/lab/gpu_facts.py --backend lab --json .cache/facts-lab.json
+
+lab-down:
+	-@tests/lab/labctl down
+
+clean: lab-down
+	rm -rf $(VENV) .cache .lab .bench tests/output

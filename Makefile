@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 SITE := $(VENV)/lib/python3.11/site-packages
 COLL_LINK := $(SITE)/ansible_collections/gpuops/fleet
 WHEELS := .cache/wheels
-APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git
+APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo
 
 .PHONY: all venv system-packages test sanity unit lint integration demo bench gpu-facts clean lab-down
 
@@ -49,7 +49,7 @@ bench: venv
 	@$(VPY) tests/tools/bench_all.py
 
 gpu-facts: venv
-	@$(VPY) tests/lab/gpu_facts.py --backend lab --json .cache/facts-lab.json
+	@$(VPY) tests/lab/gpu_facts.py --backend lab --json docs/facts/lab.json && $(VPY) tests/lab/fidelity_report.py
 
 lab-down:
 	-@tests/lab/labctl down

@@ -1,0 +1,514 @@
+#!/usr/bin/env python
+"""Fake NVIDIA driver daemon of the gpuops.fleet lab (stdlib only).
+
+A context is a shared flock on a fake /dev/nvidiaM plus an allocation record.
+Truth is computed at each request from the host's /proc/locks, so memory is
+free exactly when the kernel drops the last reference (fd, inherited fd, mmap).
+See docs/design.md, "The fake driver".
+"""
+
+import argparse
+import fcntl
+import json
+import logging
+import os
+import signal
+import socket
+import socketserver
+import struct
+import sys
+import threading
+import uuid
+
+TOTAL_MIB = 143771
+RESERVED_MIB = 615
+DRIVER_VERSION = "580.159.04"
+PCI_SLOTS = ["18", "2A", "3A", "5D", "9A", "AB", "BA", "DB"]
+NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2)
+FAULTS = ("none", "lost", "hang")
+MAX_REQUEST = 65536
+
+
+# ---- pure helpers (unit tested with recorded text) ----
+
+def parse_proc_locks(text):
+    """Set of (pid, dev_major, dev_minor, inode) of the FLOCK entries in /proc/locks text."""
+    held = set()
+    for line in text.splitlines():
+        fields = line.split()
+        # "1: FLOCK  ADVISORY  READ 12584 fe:00:2147001 0 EOF"; "1: -> FLOCK ..." are waiters
+        if len(fields) < 6 or fields[1] != "FLOCK":
+            continue
+        try:
+            pid = int(fields[4])
+            major, minor, inode = fields[5].split(":")
+            held.add((pid, int(major, 16), int(minor, 16), int(inode)))
+        except ValueError:
+            continue
+    return held
+
+
+def parse_nspids(status_text):
+    """NSpid list (outermost first) from /proc/PID/status text, or None."""
+    for line in status_text.splitlines():
+        if line.startswith("NSpid:"):
+            return [int(x) for x in line.split()[1:]]
+    return None
+
+
+def parse_cgroup_v2(cgroup_text):
+    """The cgroup v2 path (the '0::' line) from /proc/PID/cgroup text, or None."""
+    for line in cgroup_text.splitlines():
+        if line.startswith("0::"):
+            return line[3:].strip()
+    return None
+
+
+def in_cgroup(path, base):
+    """True when cgroup path is base or below it."""
+    if path is None or not base:
+        return False
+    base = base.rstrip("/")
+    return path == base or path.startswith(base + "/")
+
+
+def gpu_uuid(rid, node, minor):
+    return "GPU-" + str(uuid.uuid5(uuid.NAMESPACE_URL, "%s/%s/%d" % (rid, node, minor)))
+
+
+def pci_bus_id(minor):
+    slot = PCI_SLOTS[minor] if minor < len(PCI_SLOTS) else "%02X" % (0xE0 + minor)
+    return "00000000:%s:00.0" % slot
+
+
+def gpu_key(text):
+    """("pve1", 3) from "pve1/3"."""
+    node, minor = text.rsplit("/", 1)
+    return node, int(minor)
+
+
+def translate_pid(record, caller_pidns, mode):
+    """The pid NVML reports for a record to a caller, or None when hidden (GPU_FACTS row 7)."""
+    if mode == "legacy":
+        return record["host_pid"]
+    for ns_inode, pid in record["chain"]:
+        if ns_inode == caller_pidns:
+            return pid
+    return None
+
+
+# ---- /proc readers ----
+
+def read_text(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def pidns_inode(pid):
+    try:
+        return os.stat("/proc/%d/ns/pid" % pid).st_ino
+    except OSError:
+        return None
+
+
+def pidns_chain(pid):
+    """[(pidns inode, pid in it)] from the process's own namespace up to the daemon's."""
+    nspids = parse_nspids(read_text("/proc/%d/status" % pid)) or [pid]
+    inodes = []
+    try:
+        fd = os.open("/proc/%d/ns/pid" % pid, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        fd = None
+    while fd is not None and len(inodes) < len(nspids):
+        inodes.append(os.fstat(fd).st_ino)
+        try:
+            parent = fcntl.ioctl(fd, NS_GET_PARENT)
+        except OSError:
+            parent = None
+        os.close(fd)
+        fd = parent
+    if fd is not None:
+        os.close(fd)
+    innermost_first = list(reversed(nspids))
+    if len(inodes) == len(nspids):
+        return list(zip(inodes, innermost_first))
+    # No NS_GET_PARENT: only the innermost and the daemon's own level are known.
+    chain = [(pidns_inode(pid), innermost_first[0])]
+    if len(nspids) > 1:
+        chain.append((pidns_inode(os.getpid()), nspids[0]))
+    return chain
+
+
+def peer_pid(sock):
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[0]
+
+
+# ---- the driver ----
+
+class RequestError(Exception):
+    pass
+
+
+class Driver:
+    def __init__(self, state_dir):
+        self.state_dir = os.path.abspath(state_dir)
+        self.lab_path = os.path.join(self.state_dir, "lab.json")
+        self.saved_path = os.path.join(self.state_dir, "driver", "records.json")
+        self.lock = threading.RLock()
+        self.lab_version = None
+        self.lab = {}
+        self.records = []  # allocations: node, minor, dev, inode, host_pid, chain, mib
+        self.leaked = {}  # (node, minor) -> MiB
+        self.faults = {}  # (node, minor) -> lost|hang
+        self.init_faults = {}  # node -> not_loaded
+        self._load_saved()
+
+    # -- persistence: a restarted daemon keeps allocations, leaks and faults --
+    def _load_saved(self):
+        try:
+            with open(self.saved_path) as f:
+                saved = json.load(f)
+        except (OSError, ValueError):
+            return
+        self.records = [dict(r, chain=[tuple(c) for c in r["chain"]]) for r in saved.get("records", [])]
+        self.leaked = {gpu_key(k): v for k, v in saved.get("leaked", {}).items()}
+        self.faults = {gpu_key(k): v for k, v in saved.get("faults", {}).items()}
+        self.init_faults = saved.get("init_faults", {})
+
+    def _save(self):
+        data = {
+            "records": self.records,
+            "leaked": {"%s/%d" % k: v for k, v in self.leaked.items()},
+            "faults": {"%s/%d" % k: v for k, v in self.faults.items()},
+            "init_faults": self.init_faults,
+        }
+        tmp = self.saved_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, self.saved_path)
+
+    # -- lab.json --
+    def refresh_lab(self):
+        try:
+            st = os.stat(self.lab_path)
+        except OSError as exc:
+            raise RequestError("no lab.json in %s" % self.state_dir) from exc
+        # The inode too: mtime is coarse, and lab.json is replaced by rename.
+        version = (st.st_mtime_ns, st.st_ino, st.st_size)
+        if version != self.lab_version:
+            with open(self.lab_path) as f:
+                self.lab = json.load(f)
+            self.lab_version = version
+        return self.lab
+
+    def nodes(self):
+        return self.refresh_lab().get("nodes", {})
+
+    def mode(self):
+        return self.refresh_lab().get("nvml_pids", "modern")
+
+    def node_of(self, name):
+        nodes = self.nodes()
+        if not nodes:
+            raise RequestError("lab.json has no nodes")
+        if name is None:
+            return next(iter(nodes))
+        if name not in nodes:
+            raise RequestError("unknown node %s" % name)
+        return name
+
+    def device_id(self, node, minor):
+        """(dev major, dev minor, inode) of the node's fake /dev/nvidiaM, or None."""
+        path = os.path.join(self.nodes()[node]["dev_dir"], "nvidia%d" % minor)
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+
+    # -- who is asking --
+    def caller(self, pid, node_name=None):
+        """(node, vmid or None, [minors in view order]) for a caller's host pid."""
+        cgroup = parse_cgroup_v2(read_text("/proc/%d/cgroup" % pid))
+        for node, spec in self.nodes().items():
+            for vmid, ct in spec.get("containers", {}).items():
+                if in_cgroup(cgroup, ct.get("cgroup")):
+                    return node, vmid, list(ct["minors"])
+        node = self.node_of(node_name)
+        return node, None, list(range(self.nodes()[node]["gpus"]))
+
+    # -- truth --
+    def live_state(self):
+        """Drops dead records; returns the FLOCK set read now. Caller holds self.lock."""
+        held = parse_proc_locks(read_text("/proc/locks"))
+        alive = [r for r in self.records if (r["host_pid"],) + tuple(r["dev"]) + (r["inode"],) in held]
+        if len(alive) != len(self.records):
+            self.records = alive
+            self._save()
+        return held
+
+    def gpu_truth(self, node, minor, held):
+        """used (v2) MiB, records and lock holders of one GPU."""
+        devid = self.device_id(node, minor)
+        records = [r for r in self.records if r["node"] == node and r["minor"] == minor]
+        holders = sorted({pid for (pid, ma, mi, ino) in held if devid and (ma, mi, ino) == devid})
+        used = sum(r["mib"] for r in records) + self.leaked.get((node, minor), 0)
+        return used, records, holders
+
+    # -- requests --
+    def handle(self, request, pid):
+        op = request.get("op")
+        with self.lock:
+            if op == "snapshot" and request.get("format") == "text":
+                return self.snapshot_text(pid, request.get("node"))
+            if op == "snapshot":
+                return self.snapshot_json(request.get("node"))
+            if op == "alloc":
+                return self.alloc(pid, request)
+            if op == "leak":
+                return self.leak(request)
+            if op == "reset":
+                return self.reset(pid, request)
+            if op == "fault":
+                return self.fault(request)
+            if op == "ping":
+                return {"ok": True, "pid": os.getpid()}
+        raise RequestError("unknown op %r" % op)
+
+    def snapshot_text(self, pid, node_name):
+        node, _vmid, minors = self.caller(pid, node_name)
+        caller_ns = pidns_inode(pid)
+        mode = self.mode()
+        held = self.live_state()
+        rid = self.lab.get("rid", "lab")
+        lines = ["DRIVER %s" % DRIVER_VERSION, "FAULT_INIT %s" % self.init_faults.get(node, "none")]
+        procs = []
+        for index, minor in enumerate(minors):
+            used, records, _holders = self.gpu_truth(node, minor, held)
+            fault = self.faults.get((node, minor), "none")
+            lines.append("DEV %d %d %s %s %d %d %d %s" % (
+                index, minor, gpu_uuid(rid, node, minor), pci_bus_id(minor),
+                TOTAL_MIB, RESERVED_MIB, used, fault))
+            by_pid = {}
+            for r in records:
+                shown = translate_pid(r, caller_ns, mode)
+                if shown is not None:
+                    by_pid[shown] = by_pid.get(shown, 0) + r["mib"]
+            procs += ["PROC %d %d %d" % (index, p, m) for p, m in sorted(by_pid.items())]
+        return "\n".join(lines + procs + ["END"]) + "\n"
+
+    def snapshot_json(self, node_name):
+        nodes = self.nodes()
+        names = [self.node_of(node_name)] if node_name else list(nodes)
+        held = self.live_state()
+        rid = self.lab.get("rid", "lab")
+        gpus = []
+        for node in names:
+            spec = nodes[node]
+            for minor in range(spec["gpus"]):
+                used, records, holders = self.gpu_truth(node, minor, held)
+                visible = {vmid: ct["minors"].index(minor)
+                           for vmid, ct in spec.get("containers", {}).items() if minor in ct["minors"]}
+                gpus.append({
+                    "node": node, "minor": minor, "uuid": gpu_uuid(rid, node, minor),
+                    "pci_bus_id": pci_bus_id(minor), "total_mib": TOTAL_MIB,
+                    "used_mib": used, "reserved_mib": RESERVED_MIB, "v1_used_mib": used + RESERVED_MIB,
+                    "leaked_mib": self.leaked.get((node, minor), 0),
+                    "fault": self.faults.get((node, minor), "none"),
+                    "visible_in": visible,
+                    "nvml_pids": sorted({r["host_pid"] for r in records}),
+                    "allocations": [{"host_pid": r["host_pid"], "mib": r["mib"]} for r in records],
+                    "holders": holders,
+                })
+        return {"ok": True, "nvml_pids_mode": self.mode(), "gpus": gpus,
+                "init_faults": {n: self.init_faults.get(n, "none") for n in names}}
+
+    def _minor_arg(self, request, key="minor"):
+        try:
+            return int(request[key])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RequestError("%s: an integer is required" % key) from exc
+
+    def alloc(self, pid, request):
+        minor = self._minor_arg(request)
+        mib = int(request.get("mib", 0))
+        node, vmid, minors = self.caller(pid, request.get("node"))
+        if minor not in minors:
+            raise RequestError("minor %d is not visible to pid %d" % (minor, pid))
+        devid = self.device_id(node, minor)
+        held = self.live_state()
+        if devid is None or (pid,) + devid not in held:
+            raise RequestError("pid %d holds no flock on %s nvidia%d" % (pid, node, minor))
+        chain = pidns_chain(pid)
+        for r in self.records:
+            if r["host_pid"] == pid and r["node"] == node and r["minor"] == minor:
+                r["mib"] += mib
+                break
+        else:
+            self.records.append({"node": node, "minor": minor, "dev": list(devid[:2]), "inode": devid[2],
+                                 "host_pid": pid, "chain": chain, "mib": mib, "vmid": vmid})
+        self._save()
+        logging.info("alloc node=%s minor=%d pid=%d mib=%d chain=%s", node, minor, pid, mib, chain)
+        return {"ok": True, "node": node, "minor": minor, "host_pid": pid, "mib": mib}
+
+    def leak(self, request):
+        node = self.node_of(request.get("node"))
+        minor = self._minor_arg(request)
+        mib = int(request.get("mib", 0))
+        key = (node, minor)
+        self.leaked[key] = self.leaked.get(key, 0) + mib
+        self._save()
+        logging.info("leak node=%s minor=%d mib=%d", node, minor, mib)
+        return {"ok": True, "node": node, "minor": minor, "leaked_mib": self.leaked[key]}
+
+    def reset(self, pid, request):
+        minor = self._minor_arg(request)
+        node, _vmid, minors = self.caller(pid, request.get("node"))
+        if minor not in minors:
+            raise RequestError("minor %d is not visible to pid %d" % (minor, pid))
+        held = self.live_state()
+        _used, _records, holders = self.gpu_truth(node, minor, held)
+        if holders:
+            logging.info("reset refused node=%s minor=%d holders=%s", node, minor, holders)
+            return {"ok": False, "error": "in use by another process", "holders": holders}
+        self.leaked.pop((node, minor), None)
+        self.records = [r for r in self.records if not (r["node"] == node and r["minor"] == minor)]
+        self._save()
+        logging.info("reset node=%s minor=%d by pid=%d", node, minor, pid)
+        return {"ok": True, "node": node, "minor": minor}
+
+    def fault(self, request):
+        node = self.node_of(request.get("node"))
+        if "init" in request:
+            if request["init"] not in ("none", "not_loaded"):
+                raise RequestError("init fault must be none or not_loaded")
+            if request["init"] == "none":
+                self.init_faults.pop(node, None)
+            else:
+                self.init_faults[node] = request["init"]
+        else:
+            minor = self._minor_arg(request)
+            fault = request.get("fault")
+            if fault not in FAULTS:
+                raise RequestError("fault must be one of %s" % ", ".join(FAULTS))
+            if fault == "none":
+                self.faults.pop((node, minor), None)
+            else:
+                self.faults[(node, minor)] = fault
+        self._save()
+        logging.info("fault %s", json.dumps(request, sort_keys=True))
+        return {"ok": True}
+
+
+# ---- socket server ----
+
+class Handler(socketserver.StreamRequestHandler):
+    timeout = 10  # a client that never sends its line does not keep a thread forever
+
+    def handle(self):
+        text_answer = False
+        try:
+            line = self.rfile.readline(MAX_REQUEST)
+            request = json.loads(line)
+            if not isinstance(request, dict):
+                raise RequestError("request must be a JSON object")
+            text_answer = request.get("format") == "text"
+            answer = self.server.driver.handle(request, peer_pid(self.connection))
+        except (RequestError, ValueError, KeyError, TypeError) as exc:
+            answer = "ERROR %s\n" % exc if text_answer else {"ok": False, "error": str(exc)}
+        except OSError as exc:  # a client that went away or never spoke
+            logging.warning("request dropped: %s", exc)
+            return
+        except Exception as exc:  # keep serving; the log has the trace
+            logging.exception("request failed")
+            answer = "ERROR %s\n" % exc if text_answer else {"ok": False, "error": repr(exc)}
+        if not isinstance(answer, str):
+            answer = json.dumps(answer) + "\n"
+        try:
+            self.wfile.write(answer.encode())
+        except OSError:
+            pass
+
+
+class Server(socketserver.ThreadingUnixStreamServer):
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, path, driver):
+        self.driver = driver
+        super().__init__(path, Handler)
+
+
+def serve(state_dir, ready_fd=None):
+    driver_dir = os.path.join(state_dir, "driver")
+    os.makedirs(driver_dir, exist_ok=True)
+    logging.basicConfig(filename=os.path.join(driver_dir, "driver.log"), level=logging.INFO,
+                        format="%(asctime)s %(levelname)s %(message)s")
+    sock_path = os.path.join(driver_dir, "driver.sock")
+    pid_path = os.path.join(driver_dir, "driver.pid")
+    if os.path.exists(sock_path):
+        os.unlink(sock_path)
+    server = Server(sock_path, Driver(state_dir))
+    os.chmod(sock_path, 0o666)
+    with open(pid_path, "w") as f:
+        f.write("%d\n" % os.getpid())
+
+    def stop(_signum, _frame):
+        threading.Thread(target=server.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    logging.info("listening on %s (pid %d)", sock_path, os.getpid())
+    if ready_fd is not None:
+        os.write(ready_fd, b"ready\n")
+        os.close(ready_fd)
+    try:
+        server.serve_forever(poll_interval=0.2)
+    finally:
+        server.server_close()
+        for path in (sock_path, pid_path):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+        logging.info("stopped")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description="gpuops lab fake NVIDIA driver daemon")
+    parser.add_argument("--state", required=True, help="lab state folder (holds lab.json)")
+    parser.add_argument("--daemon", action="store_true",
+                        help="detach, and return once the socket listens")
+    args = parser.parse_args(argv)
+    state_dir = os.path.abspath(args.state)
+    if not args.daemon:
+        serve(state_dir)
+        return 0
+    read_end, write_end = os.pipe()
+    if os.fork() > 0:
+        os.close(write_end)
+        with os.fdopen(read_end) as ready:
+            ok = ready.readline().strip() == "ready"
+        if not ok:
+            print("labdriver: failed to start, see %s/driver/driver.log" % state_dir, file=sys.stderr)
+        return 0 if ok else 1
+    os.close(read_end)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(devnull, fd)
+    os.close(devnull)
+    try:
+        serve(state_dir, ready_fd=write_end)
+    finally:
+        os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Lab infrastructure behind tests/lab/labctl (stdlib only)."""

@@ -1,0 +1,140 @@
+"""labctl: drive the gpuops.fleet GPU lab (see tests/lab/README.md). Run through tests/lab/labctl."""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
+
+from lablib import container, scenarios  # noqa: E402
+from lablib.common import LabError  # noqa: E402
+from lablib.lab import Lab  # noqa: E402
+from lablib.preflight import preflight  # noqa: E402
+
+
+def _layout(text):
+    vmid, sep, minors = text.partition("=")
+    if not sep or not vmid.isdigit():
+        raise argparse.ArgumentTypeError("expected VMID=MINOR,MINOR,... got %r" % text)
+    try:
+        return vmid, [int(m) for m in minors.split(",") if m.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError("minors must be integers: %r" % text)
+
+
+def _ints(text):
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected comma-separated integers, got %r" % text)
+
+
+def parser():
+    p = argparse.ArgumentParser(prog="labctl", description="gpuops.fleet GPU lab (LAB_ID picks the lab)")
+    sub = p.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="start the lab (idempotent)")
+    up.add_argument("--nodes", type=int, default=2)
+    up.add_argument("--containers", type=int, default=2, help="containers per node")
+    up.add_argument("--gpus", type=int, default=8, help="GPUs per node")
+    up.add_argument("--layout", type=_layout, action="append", default=[], metavar="VMID=M,M,...",
+                    help="minors a container sees, in NVML index order")
+    up.add_argument("--nvml-pids", choices=("modern", "legacy"), default="modern")
+    up.add_argument("--bare", action="append", default=[], metavar="VMID",
+                    help="container whose python has no packages (repeatable)")
+    sub.add_parser("down", help="remove every process, cgroup and file of the lab")
+    sub.add_parser("status", help="JSON status; exit 3 when the lab is not up, 1 when degraded")
+    sub.add_parser("inventory", help="print the path of the Ansible inventory")
+    sub.add_parser("preflight", help="check kernel features and tools")
+    ex = sub.add_parser("exec", help="run a command in a container, like pct exec")
+    ex.add_argument("--node", required=True)
+    ex.add_argument("--vmid", required=True)
+    ex.add_argument("cmd", nargs=argparse.REMAINDER)
+    run = sub.add_parser("run", help="start a workload scenario in a container")
+    run.add_argument("scenario")
+    run.add_argument("--node", required=True)
+    run.add_argument("--vmid", required=True)
+    run.add_argument("--gpus", type=_ints, default=[], help="container NVML indexes, e.g. 0,1")
+    run.add_argument("--mib", type=int, default=None, help="MiB per GPU")
+    gp = sub.add_parser("gpus", help="the fake driver's truth, as a JSON list")
+    gp.add_argument("--node")
+    fa = sub.add_parser("fault", help="inject a fault into a GPU or into driver init")
+    fa.add_argument("--node", required=True)
+    fa.add_argument("--gpu", type=int, help="minor")
+    fa.add_argument("--fault", choices=("lost", "hang", "none"))
+    fa.add_argument("--init", choices=("not_loaded", "none"))
+    lk = sub.add_parser("leak", help="leave MiB used on a GPU with no process holding it")
+    lk.add_argument("--node", required=True)
+    lk.add_argument("--gpu", type=int, required=True, help="minor")
+    lk.add_argument("--mib", type=int, default=1024)
+    rs = sub.add_parser("restart", help="kill everything in a container and start its init again")
+    rs.add_argument("--node", required=True)
+    rs.add_argument("--vmid", required=True)
+    return p
+
+
+def main(argv):
+    args, extra = parser().parse_known_args(argv)
+    if extra and args.command != "run":
+        parser().error("unrecognized arguments: %s" % " ".join(extra))
+    lab = Lab()
+    try:
+        if args.command == "up":
+            lab.up(args.nodes, args.containers, args.gpus, dict(args.layout), args.nvml_pids, args.bare)
+            print(json.dumps(lab.status(), sort_keys=True))
+        elif args.command == "down":
+            lab.down()
+        elif args.command == "status":
+            st = lab.status()
+            print(json.dumps(st, indent=1, sort_keys=True))
+            return 3 if not st["up"] else (0 if st["healthy"] else 1)
+        elif args.command == "inventory":
+            lab.config
+            print(lab.inventory_path())
+        elif args.command == "preflight":
+            preflight()
+            print("preflight ok")
+        elif args.command == "exec":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            if not cmd:
+                raise LabError("exec needs a command after --")
+            ct = lab.container(args.node, args.vmid)
+            if not container.is_running(ct):
+                raise LabError("container '%s' not running!" % args.vmid)
+            argv = container.attach_argv(lab.node_dir(args.node), args.vmid, cmd)
+            # Like pct exec: environment kept, SSL_CERT_* dropped, Proxmox's PATH.
+            env = {k: v for k, v in os.environ.items() if not k.startswith("SSL_CERT_")}
+            env["PATH"] = container.PVE_PATH
+            os.execve(argv[0], argv, env)
+        elif args.command == "run":
+            extra = extra[1:] if extra[:1] == ["--"] else extra
+            result = scenarios.run(lab, args.scenario, args.node, args.vmid, args.gpus, args.mib, extra)
+            print(json.dumps(result, sort_keys=True))
+        elif args.command == "gpus":
+            lab.config
+            print(json.dumps(scenarios.gpus(lab, args.node), sort_keys=True))
+        elif args.command == "fault":
+            if (args.fault is None) == (args.init is None):
+                raise LabError("fault takes --gpu MINOR --fault lost|hang|none, or --init not_loaded|none")
+            if args.fault is not None and args.gpu is None:
+                raise LabError("--fault needs --gpu MINOR")
+            request = {"op": "fault", "node": args.node}
+            if args.fault is not None:
+                request.update(minor=args.gpu, fault=args.fault)
+            else:
+                request["init"] = args.init
+            print(json.dumps(scenarios.driver_request(lab, request)))
+        elif args.command == "leak":
+            print(json.dumps(scenarios.driver_request(
+                lab, {"op": "leak", "node": args.node, "minor": args.gpu, "mib": args.mib})))
+        elif args.command == "restart":
+            ct = lab.restart(args.node, args.vmid)
+            print(json.dumps({"vmid": args.vmid, "node": args.node, "init_host_pid": ct["init_host_pid"]}))
+    except LabError as exc:
+        sys.stderr.write("labctl: %s\n" % exc)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

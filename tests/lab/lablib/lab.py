@@ -1,0 +1,564 @@
+"""Bring a lab up and down: state folder, cgroups, driver daemon, containers, nodes."""
+
+import fcntl
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+
+from lablib import container
+from lablib.common import (DEFAULT_PCT_DELAY, LAB_DIR, REPO, STATE_ROOT, LabError, cgroup2_mount,
+                           freezer_mount, node_address, node_name, pid_alive, read_json, rmtree_quiet,
+                           run_id, state_dir, vmid_for, wait_for, write_file, write_json)
+
+GPU_DEV_SIZE = 4096
+NODE_USER, NODE_UID = "gpuops", 4242  # non-root node user with sudo (for become on the node)
+WHEELS = os.path.join(REPO, ".cache", "wheels")
+VENV = os.path.join(REPO, ".lab", "venv")
+VENV_BARE = os.path.join(REPO, ".lab", "venv-bare")
+VENV_PACKAGES = ("psutil", "nvidia-ml-py", "supervisor")
+
+
+def system_python():
+    for candidate in ("/usr/bin/python3", sys.executable):
+        if candidate and os.access(candidate, os.X_OK):
+            return candidate
+    raise LabError("no python3 found")
+
+
+class Lab:
+    def __init__(self):
+        self.rid = run_id()
+        self.state = state_dir(self.rid)
+        self.cg2 = cgroup2_mount()
+        self.freezer = freezer_mount()
+        self.cg_root = os.path.join(self.cg2, "gpuops-lab-" + self.rid) if self.cg2 else None
+        self.fz_root = os.path.join(self.freezer, "gpuops-lab-" + self.rid) if self.freezer else None
+        self.config_path = os.path.join(self.state, "labctl.json")
+
+    # ----- paths and records
+    @property
+    def config(self):
+        cfg = read_json(self.config_path)
+        if cfg is None:
+            raise LabError("lab %s is not up (run labctl up)" % self.rid)
+        return cfg
+
+    def node_dir(self, node):
+        return os.path.join(self.state, "nodes", node)
+
+    def container(self, node, vmid):
+        cfg = self.config
+        if node not in cfg["nodes"]:
+            raise LabError("no node %s in lab %s (nodes: %s)" % (node, self.rid, ", ".join(sorted(cfg["nodes"]))))
+        ct = container.load(self.node_dir(node), str(vmid))
+        if ct is None:
+            raise LabError("no container %s on node %s" % (vmid, node))
+        return ct
+
+    def find_node(self, vmid):
+        for node, ncfg in self.config["nodes"].items():
+            if str(vmid) in ncfg["containers"]:
+                return node
+        raise LabError("no container %s in lab %s" % (vmid, self.rid))
+
+    # ----- up
+    def shape(self, nodes, containers, gpus, layouts, nvml_pids, bare):
+        shape = {"nvml_pids": nvml_pids, "nodes": {}}
+        for k in range(1, nodes + 1):
+            cts = {}
+            for j in range(1, containers + 1):
+                vmid = str(vmid_for(k, j))
+                minors = layouts.get(vmid, list(range(gpus)))
+                bad = [m for m in minors if m < 0 or m >= gpus]
+                if bad:
+                    raise LabError("layout of %s names minors %s, node has %d GPUs" % (vmid, bad, gpus))
+                cts[vmid] = {"minors": minors, "bare": vmid in bare}
+            shape["nodes"][node_name(k)] = {"gpus": gpus, "containers": cts}
+        unknown = (set(layouts) | set(bare)) - {v for n in shape["nodes"].values() for v in n["containers"]}
+        if unknown:
+            raise LabError("--layout/--bare name vmids not in the lab: %s" % ", ".join(sorted(unknown)))
+        return shape
+
+    def up(self, nodes=2, containers=2, gpus=8, layouts=None, nvml_pids="modern", bare=()):
+        shape = self.shape(nodes, containers, gpus, layouts or {}, nvml_pids, [str(b) for b in bare])
+        from lablib.preflight import preflight
+        preflight()
+        existing = read_json(self.config_path)
+        if existing is not None:
+            if existing.get("shape") == shape:
+                self.ensure()
+                return existing
+            sys.stderr.write("labctl: lab %s has another shape; rebuilding it\n" % self.rid)
+            self.down()
+        elif os.path.exists(self.state) or (self.cg_root and os.path.isdir(self.cg_root)):
+            self.down()
+        try:
+            return self._build(shape)
+        except BaseException:
+            try:  # a half-built lab goes away; the build error is the one to report
+                self.down()
+            except LabError as exc:
+                sys.stderr.write("labctl: %s\n" % exc)
+            raise
+
+    def _build(self, shape):
+        os.makedirs(STATE_ROOT, exist_ok=True)
+        os.makedirs(self.state)
+        os.chmod(self.state, 0o711)  # the node user reads ssh/authorized_keys; nothing is listable
+        for sub in ("ssh", "driver", "lib", "sbin", "nodes"):
+            os.makedirs(os.path.join(self.state, sub))
+        ensure_venvs()
+        self._build_library()
+        self._write_sbin()
+        self._ssh_keys()
+        os.makedirs(self.cg_root, exist_ok=True)
+        cfg = {"rid": self.rid, "repo": REPO, "state": self.state, "shape": shape, "nodes": {},
+               "cgroup_root": self.cg_root, "freezer_root": self.fz_root,
+               "driver": {"pid": None, "socket": os.path.join(self.state, "driver", "driver.sock")},
+               "pct_delay": float(os.environ.get("LAB_PCT_DELAY", DEFAULT_PCT_DELAY))}
+        for k, (node, nshape) in enumerate(sorted(shape["nodes"].items(), key=lambda kv: int(kv[0][3:])), 1):
+            cfg["nodes"][node] = self._build_node(node, k, nshape, cfg)
+        self._write_driver_config(shape)
+        self._known_hosts(cfg)
+        cfg["driver"]["pid"] = self._start_driver()
+        for node, ncfg in cfg["nodes"].items():
+            ncfg["sshd_pid"] = self._start_sshd(node, ncfg)
+        container.start_many([(self.node_dir(node), vmid) for node, ncfg in cfg["nodes"].items()
+                              for vmid in ncfg["containers"]])
+        for node, ncfg in cfg["nodes"].items():
+            self._wait_sshd(node, ncfg)
+        write_json(self.config_path, cfg)
+        self.write_inventory(cfg)
+        return cfg
+
+    def ensure(self):
+        """Restart whatever died in an existing lab (labctl up on a lab that is up)."""
+        cfg = self.config
+        cfg["pct_delay"] = float(os.environ.get("LAB_PCT_DELAY", DEFAULT_PCT_DELAY))
+        for node in cfg["nodes"]:
+            path = os.path.join(self.node_dir(node), "node.json")
+            write_json(path, dict(read_json(path), pct_delay=cfg["pct_delay"]))
+        if not pid_alive(cfg["driver"]["pid"]):
+            cfg["driver"]["pid"] = self._start_driver()
+        container.start_many([(self.node_dir(node), vmid) for node, ncfg in cfg["nodes"].items()
+                              for vmid in ncfg["containers"]])
+        for node, ncfg in cfg["nodes"].items():
+            if not pid_alive(ncfg.get("sshd_pid")):
+                ncfg["sshd_pid"] = self._start_sshd(node, ncfg)
+                self._wait_sshd(node, ncfg)
+        write_json(self.config_path, cfg)
+        self.write_inventory(cfg)
+
+    def _build_library(self):
+        lib = os.path.join(self.state, "lib")
+        build = os.path.join(LAB_DIR, "driver", "build.sh")
+        if not os.path.exists(build):
+            raise LabError("missing %s (the fake driver)" % build)
+        _run(["sh", build, lib])
+        # -X: no links touched outside lib; -C: our own cache, the host's stays as it is.
+        _run(["ldconfig", "-X", "-C", os.path.join(lib, "ld.so.cache"), lib])
+
+    def _write_sbin(self):
+        sbin = os.path.join(self.state, "sbin")
+        smi = os.path.join(LAB_DIR, "driver", "nvidia-smi")
+        write_file(os.path.join(sbin, "nvidia-smi"),
+                   "#!/bin/sh\nexec %s %s \"$@\"\n" % (VENV + "/bin/python", smi), 0o755)
+        for tool in ("supervisorctl", "supervisord"):
+            write_file(os.path.join(sbin, tool),
+                       "#!/bin/sh\nexec %s/bin/%s -c /run/supervisor/supervisord.conf \"$@\"\n" % (VENV, tool), 0o755)
+
+    def _ssh_keys(self):
+        key = os.path.join(self.state, "ssh", "id_ed25519")
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", "gpuops-lab-" + self.rid, "-f", key])
+        shutil.copy(key + ".pub", os.path.join(self.state, "ssh", "authorized_keys"))
+
+    def _build_node(self, node, k, nshape, cfg):
+        ndir = self.node_dir(node)
+        for sub in ("dev/nvidia-caps", "lxc", "containers", "sbin", "bin"):
+            os.makedirs(os.path.join(ndir, sub))
+        dev = os.path.join(ndir, "dev")
+        names = ["nvidia%d" % m for m in range(nshape["gpus"])] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools",
+                                                                   "nvidia-caps/nvidia-cap1", "nvidia-caps/nvidia-cap2"]
+        for name in names:
+            with open(os.path.join(dev, name), "wb") as f:
+                f.truncate(GPU_DEV_SIZE)
+            os.chmod(os.path.join(dev, name), 0o666)
+        address = node_address(self.rid, k)
+        py = system_python()
+        ncfg = {"node": node, "number": k, "address": address, "gpus": nshape["gpus"], "sshd_pid": None,
+                "containers": {}}
+        write_json(os.path.join(ndir, "node.json"), {
+            "rid": self.rid, "node": node, "state": self.state, "node_dir": ndir, "python": py,
+            "lab_dir": LAB_DIR, "repo": REPO, "address": address, "pct_delay": cfg["pct_delay"],
+            "cgroup_root": self.cg_root, "freezer_root": self.fz_root})
+        for vmid, cshape in nshape["containers"].items():
+            cg_rel = "/gpuops-lab-%s/%s/lxc/%s/ns" % (self.rid, node, vmid)
+            bare_venv = self._bare_venv(vmid) if cshape["bare"] else None
+            python = (bare_venv or VENV) + "/bin/python"
+            write_file(container.conf_path(ndir, vmid), proxmox_conf(vmid, cshape["minors"]))
+            write_json(container.config_path(ndir, vmid), {
+                "vmid": vmid, "node": node, "init_host_pid": None, "cgroup": cg_rel,
+                "cgroup_path": self.cg2 + cg_rel, "minors": cshape["minors"], "python": python,
+                "bare": cshape["bare"], "running": False, "state": self.state, "rid": self.rid,
+                "supervisor_venv": VENV, "bare_venv": bare_venv})
+            ncfg["containers"][vmid] = {"minors": cshape["minors"], "python": python, "bare": cshape["bare"]}
+        # Stand-ins seen at Proxmox's paths inside the node's mount namespace.
+        for sub, tool in (("sbin", "pct"), ("bin", "lxc-attach"), ("bin", "lxc-info")):
+            write_file(os.path.join(ndir, sub, tool), "#!/bin/sh\nexec %s -I %s --node-dir %s \"$@\"\n"
+                       % (py, os.path.join(LAB_DIR, "node", tool), ndir), 0o755)
+        _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", node, "-f", os.path.join(ndir, "ssh_host_ed25519_key")])
+        self._node_user(ndir)
+        write_file(os.path.join(ndir, "sshd_config"), sshd_config(self.state, ndir, address))
+        cg = os.path.join(self.cg_root, node, "sshd")
+        os.makedirs(cg)
+        write_json(os.path.join(ndir, "nodeinit.json"), {"node_dir": ndir, "state": self.state, "cgroup_path": cg})
+        return ncfg
+
+    def _bare_venv(self, vmid):
+        """A private copy of .lab/venv-bare (pip only) for one container, so installs never leak between labs."""
+        dst = os.path.join(self.state, "venvs", str(vmid))
+        shutil.copytree(VENV_BARE, dst, symlinks=True)
+        bindir = os.path.join(dst, "bin")
+        for name in os.listdir(bindir):
+            path = os.path.join(bindir, name)
+            if os.path.islink(path) or not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                data = f.read()
+            if data.startswith(b"#!") and VENV_BARE.encode() in data.split(b"\n", 1)[0]:
+                with open(path, "wb") as f:
+                    f.write(data.replace(VENV_BARE.encode(), dst.encode(), 1))
+        return dst
+
+    def _node_user(self, ndir):
+        """passwd, group, shadow and sudoers.d for the node's namespace, with the lab's non-root user."""
+        etc = os.path.join(ndir, "etc")
+        home = os.path.join(ndir, "home", NODE_USER)
+        os.makedirs(home)
+        os.chown(home, NODE_UID, NODE_UID)
+        os.makedirs(etc)
+        extra = {"passwd": "%s:x:%d:%d:gpuops lab node user:%s:/bin/sh\n" % (NODE_USER, NODE_UID, NODE_UID, home),
+                 "group": "%s:x:%d:\n" % (NODE_USER, NODE_UID),
+                 "shadow": "%s:*:20000:0:99999:7:::\n" % NODE_USER}
+        for name, line in extra.items():
+            with open("/etc/" + name) as f:
+                text = f.read()
+            write_file(os.path.join(etc, name), text + ("" if text.endswith("\n") else "\n") + line,
+                       0o640 if name == "shadow" else 0o644)
+        if os.path.isdir("/etc/sudoers.d"):
+            shutil.copytree("/etc/sudoers.d", os.path.join(etc, "sudoers.d"))
+            write_file(os.path.join(etc, "sudoers.d", "gpuops-lab"),
+                       "%s ALL=(ALL:ALL) NOPASSWD: ALL\n" % NODE_USER, 0o440)
+
+    def _write_driver_config(self, shape):
+        nodes = {}
+        for node, nshape in shape["nodes"].items():
+            nodes[node] = {"gpus": nshape["gpus"], "dev_dir": os.path.join(self.node_dir(node), "dev"),
+                           "containers": {vmid: {"minors": c["minors"],
+                                                 "cgroup": "/gpuops-lab-%s/%s/lxc/%s/ns" % (self.rid, node, vmid)}
+                                          for vmid, c in nshape["containers"].items()}}
+        write_json(os.path.join(self.state, "lab.json"),
+                   {"rid": self.rid, "nvml_pids": shape["nvml_pids"], "nodes": nodes})
+
+    def _known_hosts(self, cfg):
+        lines = []
+        for node, ncfg in sorted(cfg["nodes"].items()):
+            with open(os.path.join(self.node_dir(node), "ssh_host_ed25519_key.pub")) as f:
+                keytype, key = f.read().split()[:2]
+            lines.append("%s %s %s\n" % (ncfg["address"], keytype, key))
+        write_file(os.path.join(self.state, "ssh", "known_hosts"), "".join(lines))
+
+    def _spawn(self, argv, cgroup, log):
+        """Start a daemon detached from us, inside cgroup; returns its pid."""
+        os.makedirs(cgroup, exist_ok=True)
+
+        def join():
+            with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+                f.write("0")
+
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out,
+                                    start_new_session=True, preexec_fn=join, cwd="/")
+        proc.returncode = 0  # lives on after we exit
+        return proc.pid
+
+    def _start_driver(self):
+        daemon = os.path.join(LAB_DIR, "driver", "labdriver.py")
+        if not os.path.exists(daemon):
+            raise LabError("missing %s (the fake driver)" % daemon)
+        sock = os.path.join(self.state, "driver", "driver.sock")
+        if os.path.exists(sock):
+            os.unlink(sock)
+        pid = self._spawn([system_python(), daemon, "--state", self.state], os.path.join(self.cg_root, "driver"),
+                          os.path.join(self.state, "driver.log"))
+
+        def ready():
+            if not pid_alive(pid):
+                raise LabError("driver daemon exited (see %s/driver.log)" % self.state)
+            try:
+                with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+                    s.connect(sock)
+                return True
+            except OSError:
+                return False
+
+        wait_for(ready, 15, what="the driver socket %s" % sock)
+        return pid
+
+    def _start_sshd(self, node, ncfg):
+        ndir = self.node_dir(node)
+        try:
+            socket.create_connection((ncfg["address"], 22), timeout=0.5).close()
+        except OSError:
+            pass
+        else:
+            raise LabError("%s:22 is already taken (another lab whose LAB_ID gives the same address?)"
+                           % ncfg["address"])
+        pidfile = os.path.join(ndir, "sshd.pid")
+        if os.path.exists(pidfile):
+            os.unlink(pidfile)
+        init = os.path.join(LAB_DIR, "lablib", "nodeinit.py")
+        return self._spawn([system_python(), "-I", init, os.path.join(ndir, "nodeinit.json")],
+                           os.path.join(self.cg_root, node, "sshd"), os.path.join(ndir, "nodeinit.log"))
+
+    def _wait_sshd(self, node, ncfg):
+        def ready():
+            if not pid_alive(ncfg["sshd_pid"]):
+                raise LabError("sshd of %s exited (see %s/sshd.log)" % (node, self.node_dir(node)))
+            try:
+                with socket.create_connection((ncfg["address"], 22), timeout=0.5) as s:
+                    return s.recv(4).startswith(b"SSH-")
+            except OSError:
+                return False
+
+        wait_for(ready, 15, interval=0.05, what="sshd of %s on %s:22" % (node, ncfg["address"]))
+
+    # ----- inventory
+    def inventory_path(self):
+        return os.path.join(self.state, "inventory.yml")
+
+    def write_inventory(self, cfg):
+        ssh = os.path.join(self.state, "ssh")
+        common = {"ansible_user": "root", "ansible_ssh_private_key_file": os.path.join(ssh, "id_ed25519"),
+                  "ansible_ssh_common_args": "-o UserKnownHostsFile=%s -o IdentitiesOnly=yes"
+                                             % os.path.join(ssh, "known_hosts")}
+        cts, nodes = {}, {}
+        for node, ncfg in sorted(cfg["nodes"].items()):
+            nodes[node] = dict(common, ansible_host=ncfg["address"], ansible_connection="ssh",
+                               ansible_python_interpreter="/usr/bin/python3", lab_node_user=NODE_USER)
+            for vmid, c in sorted(ncfg["containers"].items()):
+                cts["ct%s" % vmid] = dict(common, ansible_connection="gpuops.fleet.pct",
+                                          ansible_host=ncfg["address"], pve_node_host=ncfg["address"],
+                                          pct_vmid=int(vmid), lab_node=node,
+                                          ansible_python_interpreter=c["python"])
+        inv = {"all": {"children": {"gpu_containers": {"hosts": cts}, "pve_nodes": {"hosts": nodes}}}}
+        write_file(self.inventory_path(), "# gpuops lab %s, written by labctl\n" % self.rid + to_yaml(inv))
+
+    # ----- down
+    def down(self):
+        """Remove every process, cgroup and file of this lab. Returns what was left, if anything."""
+        problems = []
+        if self.cg_root and os.path.isdir(self.cg_root):
+            _write(os.path.join(self.cg_root, "cgroup.kill"), "1")
+        if self.fz_root and os.path.isdir(self.fz_root):
+            for group in _subdirs_deep(self.fz_root):
+                container.thaw(group)
+        if self.cg_root and os.path.isdir(self.cg_root):
+            try:
+                wait_for(lambda: not _populated(self.cg_root), 10, what="lab processes to die")
+            except LabError as exc:
+                problems.append(str(exc))
+            for group in _subdirs_deep(self.cg_root):
+                _rmdir(group, problems)
+        try:  # cgroups empty out at exit; wait for the zombies to be reaped too
+            wait_for(lambda: not lab_pids(self.rid), 10, what="lab processes to be reaped")
+        except LabError:
+            problems.append("processes left: %s" % lab_pids(self.rid))
+        if self.fz_root and os.path.isdir(self.fz_root):
+            for group in _subdirs_deep(self.fz_root):
+                for pid in _read_ints(os.path.join(group, "cgroup.procs")):
+                    _write(os.path.join(self.freezer, "cgroup.procs"), str(pid))
+                _rmdir(group, problems)
+        left = [row for row in _host_mounts() if self.state in row]
+        if left:
+            problems.append("mounts left: %s" % left)
+        elif os.path.exists(self.state):
+            rmtree_quiet(self.state)
+        try:
+            os.rmdir(STATE_ROOT)
+        except OSError:
+            pass
+        if problems:
+            raise LabError("down left: " + "; ".join(problems))
+
+    # ----- status
+    def status(self):
+        cfg = read_json(self.config_path)
+        if cfg is None:
+            return {"rid": self.rid, "up": False, "state": self.state}
+        out = {"rid": self.rid, "up": True, "state": self.state, "inventory": self.inventory_path(),
+               "driver": {"pid": cfg["driver"]["pid"], "alive": pid_alive(cfg["driver"]["pid"])},
+               "nodes": {}}
+        healthy = out["driver"]["alive"]
+        for node, ncfg in sorted(cfg["nodes"].items()):
+            nout = {"address": ncfg["address"], "sshd_pid": ncfg.get("sshd_pid"),
+                    "sshd_alive": pid_alive(ncfg.get("sshd_pid")), "gpus": ncfg["gpus"], "containers": {}}
+            healthy = healthy and nout["sshd_alive"]
+            for vmid in sorted(ncfg["containers"]):
+                ct = container.load(self.node_dir(node), vmid)
+                nout["containers"][vmid] = {"running": container.is_running(ct),
+                                            "init_host_pid": ct.get("init_host_pid"), "minors": ct["minors"],
+                                            "python": ct["python"], "cgroup": ct["cgroup"]}
+                healthy = healthy and nout["containers"][vmid]["running"]
+            out["nodes"][node] = nout
+        out["healthy"] = bool(healthy)
+        return out
+
+    # ----- restart
+    def restart(self, node, vmid):
+        self.container(node, vmid)
+        container.stop(self.node_dir(node), str(vmid))
+        return container.start(self.node_dir(node), str(vmid))
+
+
+def proxmox_conf(vmid, minors):
+    lines = ["arch: amd64", "cores: 8", "hostname: ct%s" % vmid, "memory: 65536",
+             "net0: name=eth0,bridge=vmbr0,ip=dhcp,type=veth", "ostype: debian",
+             "rootfs: local-lvm:vm-%s-disk-0,size=64G" % vmid, "swap: 0", "unprivileged: 0"]
+    devs = ["/dev/nvidia%d" % m for m in minors]
+    devs += ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
+             "/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"]
+    lines += ["dev%d: %s" % (i, d) for i, d in enumerate(devs)]
+    return "\n".join(sorted(lines)) + "\n"
+
+
+def sshd_config(state, node_dir, address):
+    return "\n".join([
+        "# gpuops lab node sshd, written by labctl",
+        "ListenAddress %s:22" % address,
+        "HostKey %s/ssh_host_ed25519_key" % node_dir,
+        "PidFile %s/sshd.pid" % node_dir,
+        "AuthorizedKeysFile %s/ssh/authorized_keys" % state,
+        "PermitRootLogin prohibit-password",
+        "PubkeyAuthentication yes",
+        "PasswordAuthentication no",
+        "KbdInteractiveAuthentication no",
+        "UsePAM no",
+        "StrictModes no",
+        "PrintMotd no",
+        "PrintLastLog no",
+        "UseDNS no",
+        "MaxSessions 100",
+        "MaxStartups 100:30:200",
+        "AcceptEnv LANG LC_*",
+        "Subsystem sftp internal-sftp",
+        "",
+    ])
+
+
+def to_yaml(value, indent=0):
+    pad = "  " * indent
+    out = ""
+    for key, item in value.items():
+        if isinstance(item, dict):
+            out += "%s%s:%s\n" % (pad, key, "" if item else " {}")
+            out += to_yaml(item, indent + 1)
+        else:
+            out += "%s%s: %s\n" % (pad, key, json.dumps(item) if isinstance(item, str) else item)
+    return out
+
+
+def ensure_venvs():
+    """Build .lab/venv (psutil, nvidia-ml-py, supervisor, offline from .cache/wheels) and .lab/venv-bare once."""
+    os.makedirs(os.path.dirname(VENV), exist_ok=True)
+    with open(os.path.join(os.path.dirname(VENV), ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        py = system_python()
+        if not os.path.exists(os.path.join(VENV, ".lab-ready")):
+            if not os.path.isdir(WHEELS):
+                raise LabError("missing %s (make venv downloads psutil, nvidia-ml-py, supervisor there)" % WHEELS)
+            shutil.rmtree(VENV, ignore_errors=True)
+            _run([py, "-m", "venv", VENV])
+            _run([VENV + "/bin/pip", "install", "-q", "--no-index", "--find-links", WHEELS] + list(VENV_PACKAGES))
+            write_file(os.path.join(VENV, ".lab-ready"), "ok\n")
+        if not os.path.exists(os.path.join(VENV_BARE, ".lab-ready")):
+            shutil.rmtree(VENV_BARE, ignore_errors=True)
+            _run([py, "-m", "venv", VENV_BARE])
+            write_file(os.path.join(VENV_BARE, ".lab-ready"), "ok\n")
+
+
+def _run(argv):
+    proc = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          check=False)
+    if proc.returncode:
+        raise LabError("%s failed (%d): %s" % (" ".join(argv), proc.returncode,
+                                               proc.stdout.decode(errors="replace").strip()[-2000:]))
+    return proc.stdout.decode(errors="replace")
+
+
+def _write(path, text):
+    try:
+        with open(path, "w") as f:
+            f.write(text)
+    except (FileNotFoundError, ProcessLookupError):
+        pass
+
+
+def _read_ints(path):
+    try:
+        with open(path) as f:
+            return [int(x) for x in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _populated(cg):
+    try:
+        with open(os.path.join(cg, "cgroup.events")) as f:
+            return "populated 1" in f.read()
+    except FileNotFoundError:
+        return False
+
+
+def _subdirs_deep(root):
+    """root and every folder under it, deepest first."""
+    found = []
+    for entry in os.walk(root):
+        found.append(entry[0])
+    return sorted(found, key=lambda p: p.count("/"), reverse=True)
+
+
+def _rmdir(path, problems):
+    for dummy in range(50):
+        try:
+            os.rmdir(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.02)
+    problems.append("cgroup %s" % path)
+
+
+def _host_mounts():
+    with open("/proc/self/mountinfo") as f:
+        return f.read().splitlines()
+
+
+def lab_pids(rid):
+    """Host pids whose cgroup v2 path is under this lab's folder (zombies included)."""
+    mark = "::/gpuops-lab-%s/" % rid
+    found = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open("/proc/%s/cgroup" % name) as f:
+                    if mark in f.read():
+                        found.append(int(name))
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return found

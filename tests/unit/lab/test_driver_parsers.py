@@ -1,0 +1,107 @@
+"""Parsers and pid translation of the lab driver daemon, on recorded /proc text."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+DRIVER = Path(__file__).resolve().parents[3] / "tests" / "lab" / "driver" / "labdriver.py"
+spec = importlib.util.spec_from_file_location("labdriver", DRIVER)
+labdriver = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(labdriver)
+
+# /proc/locks recorded on this kind of host: two holders of one inode, a POSIX lock, a waiter.
+PROC_LOCKS = """\
+1: FLOCK  ADVISORY  READ 20709 fe:00:2147122 0 EOF
+2: FLOCK  ADVISORY  READ 20664 fe:00:2147105 0 EOF
+3: POSIX  ADVISORY  WRITE 811 00:1a:1234 0 EOF
+4: FLOCK  ADVISORY  WRITE 30 103:02:77 0 EOF
+4: -> FLOCK  ADVISORY  WRITE 31 103:02:77 0 EOF
+5: FLOCK  ADVISORY  READ 20575 fe:00:2147105 0 EOF
+"""
+
+STATUS = """\
+Name:\tpython3
+State:\tS (sleeping)
+Tgid:\t729
+NSpid:\t729\t2
+NStgid:\t729\t2
+Threads:\t1
+"""
+
+CGROUP_HYBRID = """\
+12:freezer:/gpuops-lab-ab12cd34/pve1/101
+3:cpu:/
+0::/gpuops-lab-ab12cd34/pve1/lxc/101/ns/supervisor
+"""
+
+
+def test_proc_locks_keeps_only_flock_holders():
+    held = labdriver.parse_proc_locks(PROC_LOCKS)
+    assert held == {
+        (20709, 0xFE, 0, 2147122),
+        (20664, 0xFE, 0, 2147105),
+        (30, 0x103, 2, 77),
+        (20575, 0xFE, 0, 2147105),
+    }
+
+
+def test_proc_locks_ignores_garbage():
+    assert labdriver.parse_proc_locks("1: FLOCK ADVISORY READ x fe:00:1 0 EOF\n\nnonsense\n") == set()
+
+
+def test_nspids_outermost_first():
+    assert labdriver.parse_nspids(STATUS) == [729, 2]
+    assert labdriver.parse_nspids("Name:\tx\n") is None
+
+
+def test_cgroup_v2_line_in_hybrid_layout():
+    assert labdriver.parse_cgroup_v2(CGROUP_HYBRID) == "/gpuops-lab-ab12cd34/pve1/lxc/101/ns/supervisor"
+    assert labdriver.parse_cgroup_v2("3:cpu:/\n") is None
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("/gpuops-lab-x/pve1/lxc/101/ns", True),
+    ("/gpuops-lab-x/pve1/lxc/101/ns/supervisor", True),
+    ("/gpuops-lab-x/pve1/lxc/101/nsx", False),
+    ("/gpuops-lab-x/pve1/lxc/1011/ns", False),
+    ("/", False),
+    (None, False),
+])
+def test_in_cgroup(path, expected):
+    assert labdriver.in_cgroup(path, "/gpuops-lab-x/pve1/lxc/101/ns") is expected
+
+
+RECORD = {"host_pid": 729, "chain": [(4026532500, 2), (4026531836, 729)]}
+
+
+def test_modern_pid_in_the_callers_namespace():
+    assert labdriver.translate_pid(RECORD, 4026532500, "modern") == 2
+    assert labdriver.translate_pid(RECORD, 4026531836, "modern") == 729
+
+
+def test_modern_pid_hidden_from_another_namespace():
+    assert labdriver.translate_pid(RECORD, 4026532999, "modern") is None
+
+
+def test_legacy_pid_is_the_host_pid_everywhere():
+    assert labdriver.translate_pid(RECORD, 4026532500, "legacy") == 729
+    assert labdriver.translate_pid(RECORD, 4026532999, "legacy") == 729
+
+
+def test_uuid_is_stable_and_distinct():
+    one = labdriver.gpu_uuid("ab12cd34", "pve1", 0)
+    assert one == labdriver.gpu_uuid("ab12cd34", "pve1", 0)
+    assert one.startswith("GPU-") and len(one) == 40
+    assert len({labdriver.gpu_uuid(rid, node, m) for rid in ("a", "b") for node in ("pve1", "pve2")
+                for m in range(8)}) == 32
+
+
+def test_pci_bus_ids_follow_h200_slots():
+    expected = ["00000000:18:00.0", "00000000:5D:00.0", "00000000:DB:00.0"]
+    assert [labdriver.pci_bus_id(m) for m in (0, 3, 7)] == expected
+    assert len({labdriver.pci_bus_id(m) for m in range(16)}) == 16
+
+
+def test_gpu_key_round_trip():
+    assert labdriver.gpu_key("pve1/3") == ("pve1", 3)

@@ -1,0 +1,77 @@
+"""Files labctl writes: Proxmox container config, sshd_config, inventory YAML; lab shapes."""
+
+import pytest
+import yaml
+
+import _labpath  # noqa: F401  pylint: disable=unused-import
+from lablib import cli as labctl
+from lablib import lab as lablab
+from lablib.common import LabError
+
+
+def test_proxmox_conf_lists_only_the_layout_minors():
+    conf = lablab.proxmox_conf("102", [4, 5])
+    lines = conf.splitlines()
+    assert "hostname: ct102" in lines
+    devs = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("dev")]
+    assert devs[:2] == ["/dev/nvidia4", "/dev/nvidia5"]
+    assert "/dev/nvidia0" not in devs and "/dev/nvidiactl" in devs
+    keys = [ln.split(":", 1)[0] for ln in lines]
+    assert len(keys) == len(set(keys)), "Proxmox config keys are unique"
+
+
+def test_sshd_config_has_the_lab_policy():
+    text = lablab.sshd_config("/run/gpuops-lab/x", "/run/gpuops-lab/x/nodes/pve1", "127.5.6.1")
+    lines = set(text.splitlines())
+    for wanted in ("ListenAddress 127.5.6.1:22", "UsePAM no", "PermitRootLogin prohibit-password",
+                   "StrictModes no", "PasswordAuthentication no",
+                   "PidFile /run/gpuops-lab/x/nodes/pve1/sshd.pid",
+                   "AuthorizedKeysFile /run/gpuops-lab/x/ssh/authorized_keys"):
+        assert wanted in lines
+
+
+def test_to_yaml_round_trips_through_a_yaml_parser():
+    inv = {"all": {"children": {"gpu_containers": {"hosts": {
+        "ct101": {"pct_vmid": 101, "lab_node": "pve1", "ansible_ssh_common_args": "-o A=b -o 'C=d e'",
+                  "odd": "yes: no # not a comment"}}}, "empty": {}}}}
+    assert yaml.safe_load(lablab.to_yaml(inv)) == inv
+
+
+def test_shape_defaults_to_every_gpu_with_index_equal_minor():
+    shape = lablab.Lab.shape(None, 2, 2, 4, {}, "modern", [])
+    assert sorted(shape["nodes"]) == ["pve1", "pve2"]
+    assert shape["nodes"]["pve2"]["containers"]["202"] == {"minors": [0, 1, 2, 3], "bare": False}
+
+
+def test_shape_layout_and_bare():
+    shape = lablab.Lab.shape(None, 1, 2, 8, {"102": [7, 4]}, "legacy", ["101"])
+    assert shape["nodes"]["pve1"]["containers"] == {"101": {"minors": list(range(8)), "bare": True},
+                                                    "102": {"minors": [7, 4], "bare": False}}
+    assert shape["nvml_pids"] == "legacy"
+
+
+@pytest.mark.parametrize("layouts,bare,message", [
+    ({"101": [8]}, [], "names minors \\[8\\]"),
+    ({"109": [0]}, [], "109"),
+    ({}, ["301"], "301"),
+])
+def test_shape_rejects_what_the_lab_does_not_have(layouts, bare, message):
+    with pytest.raises(LabError, match=message):
+        lablab.Lab.shape(None, 1, 2, 8, layouts, "modern", bare)
+
+
+def test_cli_layout_and_gpus_parsing():
+    args, extra = labctl.parser().parse_known_args(
+        ["up", "--layout", "101=4,5,6,7", "--layout", "102=0", "--bare", "102"])
+    assert dict(args.layout) == {"101": [4, 5, 6, 7], "102": [0]} and args.bare == ["102"]
+    args, extra = labctl.parser().parse_known_args(
+        ["run", "tp_server", "--node", "pve1", "--vmid", "101", "--gpus", "0,1", "--threads", "3"])
+    assert args.gpus == [0, 1] and extra == ["--threads", "3"]
+
+
+@pytest.mark.parametrize("argv", [["up", "--layout", "101"], ["up", "--layout", "x=1"],
+                                  ["up", "--layout", "101=a"], ["run", "plain", "--node", "p", "--vmid", "1",
+                                                                "--gpus", "0,x"]])
+def test_cli_rejects_malformed_values(argv):
+    with pytest.raises(SystemExit):
+        labctl.parser().parse_args(argv)

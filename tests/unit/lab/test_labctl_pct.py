@@ -1,0 +1,97 @@
+"""The node stand-ins (pct, lxc-info, lxc-attach) on a node folder with stopped containers.
+
+Real subprocesses of the real scripts; no namespaces needed because nothing runs.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from _labpath import LAB_DIR
+
+NODE_TOOLS = os.path.join(LAB_DIR, "node")
+
+
+@pytest.fixture
+def node_dir(tmp_path):
+    d = tmp_path / "nodes" / "pve1"
+    (d / "lxc").mkdir(parents=True)
+    (d / "containers").mkdir()
+    (d / "node.json").write_text(json.dumps({
+        "node": "pve1", "python": sys.executable, "lab_dir": LAB_DIR, "pct_delay": 0.0,
+        "freezer_root": None}))
+    for vmid in ("101", "102"):
+        (d / "lxc" / ("%s.conf" % vmid)).write_text("hostname: ct%s\ndev0: /dev/nvidia0\n" % vmid)
+        (d / "containers" / ("%s.json" % vmid)).write_text(json.dumps({
+            "vmid": vmid, "node": "pve1", "running": False, "init_host_pid": None,
+            "cgroup_path": str(tmp_path / "cg" / vmid), "minors": [0]}))
+    return str(d)
+
+
+def tool(name, node_dir, *args, env=None):
+    full_env = dict(os.environ, LAB_PCT_DELAY="0")
+    full_env.update(env or {})
+    return subprocess.run([sys.executable, os.path.join(NODE_TOOLS, name), "--node-dir", node_dir] + list(args),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, env=full_env,
+                          timeout=30, check=False)
+
+
+def test_vmid_on_another_node(node_dir):
+    res = tool("pct", node_dir, "exec", "305", "--", "true")
+    assert res.returncode == 255
+    assert res.stderr.strip() == "Configuration file 'nodes/pve1/lxc/305.conf' does not exist"
+
+
+@pytest.mark.parametrize("command", [["exec", "101", "--", "true"], ["enter", "101"],
+                                     ["push", "101", "/etc/hostname", "/tmp/x"], ["pull", "101", "/a", "/tmp/b"]])
+def test_stopped_container(node_dir, command):
+    res = tool("pct", node_dir, *command)
+    assert res.returncode == 255
+    assert res.stderr.strip() == "container '101' not running!"
+
+
+def test_status_list_config(node_dir):
+    assert tool("pct", node_dir, "status", "102").stdout == "status: stopped\n"
+    listing = tool("pct", node_dir, "list").stdout.splitlines()
+    assert listing[0].split() == ["VMID", "Status", "Lock", "Name"]
+    assert [ln.split() for ln in listing[1:]] == [["101", "stopped", "ct101"], ["102", "stopped", "ct102"]]
+    assert tool("pct", node_dir, "config", "101").stdout == "dev0: /dev/nvidia0\nhostname: ct101\n"
+
+
+def test_stop_a_stopped_container(node_dir):
+    res = tool("pct", node_dir, "stop", "101")
+    assert res.returncode == 255 and res.stderr.strip() == "CT 101 not running"
+
+
+def test_unknown_command_and_bad_vmid(node_dir):
+    assert tool("pct", node_dir, "frobnicate", "101").returncode == 255
+    res = tool("pct", node_dir, "status", "abc")
+    assert res.returncode == 255 and "type check ('integer') failed" in res.stderr
+
+
+def test_pct_pays_its_start_up_delay(node_dir):
+    import time
+    start = time.monotonic()
+    tool("pct", node_dir, "status", "101", env={"LAB_PCT_DELAY": "0.4"})
+    assert time.monotonic() - start >= 0.4
+
+
+def test_pct_outside_a_lab_node(tmp_path):
+    res = tool("pct", str(tmp_path), "list")
+    assert res.returncode == 255 and "lab node not configured" in res.stderr
+
+
+def test_lxc_info(node_dir):
+    res = tool("lxc-info", node_dir, "-n", "101")
+    assert res.stdout.splitlines() == ["Name:           101", "State:          STOPPED"]
+    assert tool("lxc-info", node_dir, "-n", "101", "-p").stdout == ""
+    res = tool("lxc-info", node_dir, "-n", "999")
+    assert res.returncode == 1 and "999 doesn't exist" in res.stderr
+
+
+def test_lxc_attach_refuses_a_stopped_container(node_dir):
+    res = tool("lxc-attach", node_dir, "-n", "101", "--", "true")
+    assert res.returncode == 1 and "Failed to get init pid" in res.stderr

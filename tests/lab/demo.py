@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """`make demo`: free stuck GPU memory across a lab fleet with one playbook, and prove it.
 
 1. Brings up the lab: 2 Proxmox-like nodes, 3 LXC-like containers each, 2 GPUs per container.
@@ -51,7 +50,7 @@ def step(text):
 def labctl(*args, parse=True):
     env = dict(os.environ, LAB_ID=LAB_ID)
     proc = subprocess.run([LABCTL] + list(args), env=env, stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, universal_newlines=True, timeout=300)
+                          stderr=subprocess.PIPE, universal_newlines=True, timeout=300, check=False)
     if proc.returncode:
         raise DemoError("labctl %s failed: %s" % (" ".join(args), (proc.stderr or proc.stdout).strip()))
     out = proc.stdout.strip()
@@ -103,7 +102,7 @@ def run_playbook(inventory, extra_vars, log_path, check=False):
     say("$ " + " ".join(os.path.relpath(c, REPO) if c.startswith(REPO) else c for c in cmd))
     started = time.monotonic()
     with open(log_path, "w") as log:
-        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600)
+        proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=600, check=False)
     elapsed = time.monotonic() - started
     with open(log_path) as log:
         text = log.read()
@@ -118,7 +117,7 @@ def run_playbook(inventory, extra_vars, log_path, check=False):
         r = recap[host]
         say("    %-6s ok=%-3d changed=%-2d unreachable=%d failed=%d"
             % (host, r["ok"], r["changed"], r["unreachable"], r["failed"]))
-    return proc.returncode, recap, text
+    return proc.returncode, recap
 
 
 def main():
@@ -185,7 +184,7 @@ def main():
             % program)
         log1 = os.path.join(work, "run1.log")
         logs.append(log1)
-        rc, recap1, _ = run_playbook(inventory, extra_vars, log1)
+        rc, recap1 = run_playbook(inventory, extra_vars, log1)
         if rc != 0:
             failures.append("first run exited %d" % rc)
         if len(recap1) != 6 or any(r["failed"] or r["unreachable"] for r in recap1.values()):
@@ -194,8 +193,8 @@ def main():
         after_gpus = labctl("gpus")
         after = used_by_container(after_gpus)
         step("4. Before and after, per container and GPU (fake driver's truth; rung from the role)")
-        say("  %-6s %-5s %-4s %-15s %10s %10s  %-9s %s" % ("host", "node", "GPU", "workload", "before MiB",
-                                                          "after MiB", "rung", "how"))
+        header = ("host", "node", "GPU", "workload", "before MiB", "after MiB", "rung", "how")
+        say("  %-6s %-5s %-4s %-15s %10s %10s  %-9s %s" % header)
         for vmid in sorted(LAYOUT):
             report_path = os.path.join(report_dir, "ct%s.json" % vmid)
             report = {}
@@ -226,7 +225,7 @@ def main():
         step("5. Run it again: nothing left to do, so nothing may change")
         log2 = os.path.join(work, "run2.log")
         logs.append(log2)
-        rc2, recap2, _ = run_playbook(inventory, extra_vars, log2)
+        rc2, recap2 = run_playbook(inventory, extra_vars, log2)
         changed = sum(r["changed"] for r in recap2.values())
         if rc2 != 0 or len(recap2) != 6 or changed:
             failures.append("second run: exit %d, %d changed tasks: %s" % (rc2, changed, recap2))
@@ -248,13 +247,13 @@ def main():
         sup = subprocess.run([LABCTL, "exec", "--node", "pve2", "--vmid", "201", "--",
                               "/usr/local/sbin/supervisorctl", "status", program],
                              env=dict(os.environ, LAB_ID=LAB_ID), stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, universal_newlines=True, timeout=60)
+                             stderr=subprocess.STDOUT, universal_newlines=True, timeout=60, check=False)
         if "STOPPED" not in sup.stdout:
             failures.append("supervisord program %s is not STOPPED: %s" % (program, sup.stdout.strip()))
         else:
             say("  supervisord program %s: STOPPED, so it cannot respawn" % program)
-        leftovers = [p for vmid, (_, _, r) in workloads.items() if vmid != "202"
-                     for p in r.get("holders", []) if proc_state(p) not in (None, "Z", "X")]
+        leftovers = [pid for vmid, built in workloads.items() if vmid != "202"
+                     for pid in built[2].get("holders", []) if proc_state(pid) not in (None, "Z", "X")]
         if leftovers:
             failures.append("holders still alive: %s" % leftovers)
         else:

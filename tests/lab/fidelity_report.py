@@ -70,8 +70,8 @@ def values(n, m):
             r.get("gib", 0), ms(r.get("kill_to_reaped_ms")), mib(r.get("v2_used_at_reap_mib")),
             lag(r.get("release_lag_ms"))) for r in runs)
     if n == 3:
-        text = "used %s while `%s`%s, %s fds" % (mib(g("v2_used_mib")), g("child_state"), lag(g("v2_used_lag_ms")),
-                                                g("child_fds"))
+        text = "used %s while `%s`%s, %s fds" % (
+            mib(g("v2_used_mib")), g("child_state"), lag(g("v2_used_lag_ms")), g("child_fds"))
         if "kill_to_zombie_ms" in m:
             text += "; kill to Z %s" % ms(g("kill_to_zombie_ms"))
         return text

@@ -44,7 +44,9 @@ def parser():
                     help="container whose python has no packages (repeatable)")
     sub.add_parser("down", help="remove every process, cgroup and file of the lab")
     sub.add_parser("status", help="JSON status; exit 3 when the lab is not up, 1 when degraded")
-    sub.add_parser("inventory", help="print the path of the Ansible inventory")
+    inv = sub.add_parser("inventory", help="print the path of the Ansible inventory")
+    inv.add_argument("--api", action="store_true",
+                     help="print the path of STATE/lab.proxmox_gpu.yml (the gpuops.fleet.proxmox_gpu inventory) instead")
     sub.add_parser("preflight", help="check kernel features and tools")
     ex = sub.add_parser("exec", help="run a command in a container, like pct exec")
     ex.add_argument("--node", required=True)
@@ -67,6 +69,9 @@ def parser():
     lk.add_argument("--node", required=True)
     lk.add_argument("--gpu", type=int, required=True, help="minor")
     lk.add_argument("--mib", type=int, default=1024)
+    mg = sub.add_parser("migrate", help="move a container to another node (stop, move its config, start there)")
+    mg.add_argument("--vmid", required=True)
+    mg.add_argument("--to", required=True, metavar="NODE")
     rs = sub.add_parser("restart", help="kill everything in a container and start its init again")
     rs.add_argument("--node", required=True)
     rs.add_argument("--vmid", required=True)
@@ -89,8 +94,11 @@ def main(argv):
             print(json.dumps(st, indent=1, sort_keys=True))
             return 3 if not st["up"] else (0 if st["healthy"] else 1)
         elif args.command == "inventory":
-            lab.config
-            print(lab.inventory_path())
+            cfg = lab.config
+            if args.api and not cfg.get("api"):
+                raise LabError("lab %s has no API (started by an older labctl): run labctl up again" % lab.rid)
+            lab.write_inventory(cfg)
+            print(lab.api_inventory_path() if args.api else lab.inventory_path())
         elif args.command == "preflight":
             preflight()
             print("preflight ok")
@@ -127,6 +135,8 @@ def main(argv):
         elif args.command == "leak":
             print(json.dumps(scenarios.driver_request(
                 lab, {"op": "leak", "node": args.node, "minor": args.gpu, "mib": args.mib})))
+        elif args.command == "migrate":
+            print(json.dumps(lab.migrate(args.vmid, args.to), sort_keys=True))
         elif args.command == "restart":
             ct = lab.restart(args.node, args.vmid)
             print(json.dumps({"vmid": args.vmid, "node": args.node, "init_host_pid": ct["init_host_pid"]}))

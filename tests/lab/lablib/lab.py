@@ -9,7 +9,7 @@ import subprocess
 import sys
 import time
 
-from lablib import container
+from lablib import container, pveapi
 from lablib.common import (DEFAULT_PCT_DELAY, LAB_DIR, REPO, STATE_ROOT, LabError, cgroup2_mount,
                            freezer_mount, node_address, node_name, pid_alive, read_json, rmtree_quiet,
                            run_id, state_dir, vmid_for, wait_for, write_file, write_json)
@@ -125,6 +125,7 @@ class Lab:
         self._write_driver_config(shape)
         self._known_hosts(cfg)
         cfg["driver"]["pid"] = self._start_driver()
+        cfg["api"] = self._start_api(cfg)
         for node, ncfg in cfg["nodes"].items():
             ncfg["sshd_pid"] = self._start_sshd(node, ncfg)
         container.start_many([(self.node_dir(node), vmid) for node, ncfg in cfg["nodes"].items()
@@ -144,6 +145,8 @@ class Lab:
             write_json(path, dict(read_json(path), pct_delay=cfg["pct_delay"]))
         if not pid_alive(cfg["driver"]["pid"]):
             cfg["driver"]["pid"] = self._start_driver()
+        if not pid_alive((cfg.get("api") or {}).get("pid")):
+            cfg["api"] = self._start_api(cfg)
         container.start_many([(self.node_dir(node), vmid) for node, ncfg in cfg["nodes"].items()
                               for vmid in ncfg["containers"]])
         for node, ncfg in cfg["nodes"].items():
@@ -325,6 +328,33 @@ class Lab:
         return self._spawn([system_python(), "-I", init, os.path.join(ndir, "nodeinit.json")],
                            os.path.join(self.cg_root, node, "sshd"), os.path.join(ndir, "nodeinit.log"))
 
+    def _start_api(self, cfg):
+        """The lab's Proxmox REST API on node 1's address, port 8006 (lablib/pveapi.py)."""
+        first = sorted(cfg["nodes"].values(), key=lambda n: n["number"])[0]
+        address = first["address"]
+        try:
+            socket.create_connection((address, pveapi.PORT), timeout=0.5).close()
+        except OSError:
+            pass
+        else:
+            raise LabError("%s:%d is already taken (another lab whose LAB_ID gives the same address?)"
+                           % (address, pveapi.PORT))
+        info = pveapi.make_credentials(self.state, address)
+        pid = self._spawn([system_python(), "-I", os.path.join(LAB_DIR, "lablib", "pveapi.py"), self.state],
+                          os.path.join(self.cg_root, "api"), os.path.join(self.state, "api", "api.log"))
+
+        def ready():
+            if not pid_alive(pid):
+                raise LabError("lab API exited (see %s/api/api.log)" % self.state)
+            try:
+                socket.create_connection((address, pveapi.PORT), timeout=0.5).close()
+                return True
+            except OSError:
+                return False
+
+        wait_for(ready, 15, interval=0.05, what="the lab API on %s:%d" % (address, pveapi.PORT))
+        return dict(info, pid=pid)
+
     def _wait_sshd(self, node, ncfg):
         def ready():
             if not pid_alive(ncfg["sshd_pid"]):
@@ -340,6 +370,9 @@ class Lab:
     # ----- inventory
     def inventory_path(self):
         return os.path.join(self.state, "inventory.yml")
+
+    def api_inventory_path(self):
+        return os.path.join(self.state, "lab.proxmox_gpu.yml")
 
     def write_inventory(self, cfg):
         ssh = os.path.join(self.state, "ssh")
@@ -357,6 +390,28 @@ class Lab:
                                           ansible_python_interpreter=c["python"])
         inv = {"all": {"children": {"gpu_containers": {"hosts": cts}, "pve_nodes": {"hosts": nodes}}}}
         write_file(self.inventory_path(), "# gpuops lab %s, written by labctl\n" % self.rid + to_yaml(inv))
+        if cfg.get("api"):
+            self.write_api_inventory(cfg)
+
+    def write_api_inventory(self, cfg):
+        """STATE/lab.proxmox_gpu.yml: the gpuops.fleet.proxmox_gpu inventory over the lab API."""
+        ssh = os.path.join(self.state, "ssh")
+        bare = {vmid: c["python"] for ncfg in cfg["nodes"].values() for vmid, c in ncfg["containers"].items()
+                if c.get("bare")}
+        python = "'%s'" % (VENV + "/bin/python")
+        if bare:  # bare containers keep their private venv wherever they run
+            python = "%s.get(pct_vmid | string, %s)" % (json.dumps(bare, sort_keys=True), python)
+        compose = {"ansible_user": "'root'",
+                   "ansible_ssh_private_key_file": "'%s'" % os.path.join(ssh, "id_ed25519"),
+                   "ansible_ssh_common_args": "'-o UserKnownHostsFile=%s -o IdentitiesOnly=yes'"
+                                              % os.path.join(ssh, "known_hosts"),
+                   "ansible_python_interpreter": python,
+                   "pve_node_host": "ansible_host", "lab_node": "proxmox_node"}
+        conf = {"plugin": "gpuops.fleet.proxmox_gpu", "url": "https://%s:%d" % (cfg["api"]["address"], pveapi.PORT),
+                "user": pveapi.USER, "token_id": pveapi.TOKEN_ID, "token_secret": pveapi.read_secret(self.state, "token"),
+                "ca_path": cfg["api"]["ca"], "compose": compose}
+        write_file(self.api_inventory_path(), "# gpuops lab %s, written by labctl (API %s)\n"
+                   % (self.rid, cfg["api"]["url"]) + to_yaml(conf), 0o600)
 
     # ----- down
     def down(self):
@@ -404,6 +459,10 @@ class Lab:
                "driver": {"pid": cfg["driver"]["pid"], "alive": pid_alive(cfg["driver"]["pid"])},
                "nodes": {}}
         healthy = out["driver"]["alive"]
+        if cfg.get("api"):
+            out["api"] = {"url": cfg["api"]["url"], "pid": cfg["api"]["pid"], "alive": pid_alive(cfg["api"]["pid"]),
+                          "ca": cfg["api"]["ca"], "inventory": self.api_inventory_path()}
+            healthy = healthy and out["api"]["alive"]
         for node, ncfg in sorted(cfg["nodes"].items()):
             nout = {"address": ncfg["address"], "sshd_pid": ncfg.get("sshd_pid"),
                     "sshd_alive": pid_alive(ncfg.get("sshd_pid")), "gpus": ncfg["gpus"], "containers": {}}
@@ -417,6 +476,37 @@ class Lab:
             out["nodes"][node] = nout
         out["healthy"] = bool(healthy)
         return out
+
+    # ----- migrate
+    def migrate(self, vmid, target):
+        """Move a container to another node like `pct migrate --restart`: stop, move its config, start there."""
+        cfg, vmid = self.config, str(vmid)
+        source = self.find_node(vmid)
+        if target not in cfg["nodes"]:
+            raise LabError("no node %s in lab %s (nodes: %s)" % (target, self.rid, ", ".join(sorted(cfg["nodes"]))))
+        if target == source:
+            raise LabError("CT %s is already on node %s" % (vmid, target))
+        src_dir, dst_dir = self.node_dir(source), self.node_dir(target)
+        ct = container.load(src_dir, vmid)
+        bad = [m for m in ct["minors"] if m >= cfg["nodes"][target]["gpus"]]
+        if bad:
+            raise LabError("CT %s uses minors %s, node %s has %d GPUs" % (vmid, bad, target, cfg["nodes"][target]["gpus"]))
+        was_running = container.is_running(ct)
+        if was_running:
+            ct = container.stop(src_dir, vmid, graceful_timeout=10.0)
+        cg_rel = "/gpuops-lab-%s/%s/lxc/%s/ns" % (self.rid, target, vmid)
+        ct.update(node=target, cgroup=cg_rel, cgroup_path=self.cg2 + cg_rel)
+        write_json(container.config_path(dst_dir, vmid), ct)
+        os.replace(container.conf_path(src_dir, vmid), container.conf_path(dst_dir, vmid))
+        os.unlink(container.config_path(src_dir, vmid))
+        cfg["nodes"][target]["containers"][vmid] = cfg["nodes"][source]["containers"].pop(vmid)
+        write_json(self.config_path, cfg)
+        self._write_driver_config({"nvml_pids": cfg["shape"]["nvml_pids"], "nodes": cfg["nodes"]})
+        self.write_inventory(cfg)
+        if was_running:
+            ct = container.start(dst_dir, vmid)
+        return {"vmid": vmid, "from": source, "to": target, "running": was_running,
+                "init_host_pid": ct.get("init_host_pid")}
 
     # ----- restart
     def restart(self, node, vmid):
@@ -433,6 +523,9 @@ def proxmox_conf(vmid, minors):
     devs += ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
              "/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"]
     lines += ["dev%d: %s" % (i, d) for i, d in enumerate(devs)]
+    lines.append("lxc.cgroup2.devices.allow: c 195:* rwm")  # raw lxc keys: the API lists them under "lxc"
+    if minors:
+        lines.append("tags: gpu")
     return "\n".join(sorted(lines)) + "\n"
 
 

@@ -45,7 +45,10 @@ def gpus(lab, node=None):
 
 def attach(lab, node, vmid, cmd, timeout=RUN_TIMEOUT, input_text=None):
     argv = container.attach_argv(lab.node_dir(node), vmid, cmd)
-    proc = subprocess.run(argv, input=input_text, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # Like pct exec: the caller's environment minus SSL_CERT_*, with Proxmox's PATH.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SSL_CERT_")}
+    env["PATH"] = container.PVE_PATH
+    proc = subprocess.run(argv, input=input_text, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                           timeout=timeout, universal_newlines=True, check=False,
                           stdin=None if input_text is not None else subprocess.DEVNULL)
     return proc

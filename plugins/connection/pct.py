@@ -1,0 +1,802 @@
+# Copyright (c) 2026 gpuops maintainers
+# GNU General Public License v3.0+ (see COPYING or https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+name: pct
+short_description: Run tasks inside Proxmox VE LXC containers over OpenSSH and C(pct exec)
+description:
+  - Reaches an LXC container by SSH to the Proxmox VE node that hosts it, then C(pct exec VMID -- /bin/sh -c CMD) there.
+  - Built on ansible-core's C(ssh) connection, so ControlMaster/ControlPersist applies. The control socket is keyed by
+    the node's host, port and user, so every container of one node shares one SSH connection.
+  - With pipelining (on by default here) a module task costs one C(pct exec) call.
+  - Files are streamed through the exec channel (C(cat > DST), C(cat < SRC)). No temporary file is made on the node,
+    and a file is never held whole in memory.
+  - Become (C(sudo), C(su), ...) works inside the container as with any POSIX host.
+  - The node's login shell must be POSIX (C(sh), C(bash), C(dash), C(zsh)); commands are quoted for it.
+author: gpuops maintainers (@gpuops)
+version_added: 0.1.0
+notes:
+  - The node is O(host) (C(ansible_host)). A container runs only on one node at a time and moves on migration;
+    the inventory must say where it is now. A wrong node fails with a message that names the node.
+  - O(exec_method=lxc-attach) skips pct's Perl start-up (about 0.3 s a call). It also skips what pct checks and does
+    first. pct loads the container's config (so a vmid that is not on this node fails with a clear message). It refuses a
+    container that is not running with C(container 'VMID' not running!). It removes C(SSL_CERT_*) variables from
+    the environment. With C(lxc-attach) a stopped or absent container gives lxc-attach's own, vaguer errors,
+    and C(SSL_CERT_FILE)/C(SSL_CERT_DIR) set on the node reach the container.
+  - The user inside the container is root (what C(pct exec) gives). C(ansible_user) is the node's SSH user.
+    Ansible still sees that name as the remote user. That matters only for its become temp-file permission
+    rules when O(node_become) is on.
+  - Host key checking stays on by default (O(host_key_checking)); put the nodes' keys in known_hosts, e.g. with
+    C(ansible_ssh_common_args='-o UserKnownHostsFile=/path/known_hosts').
+  - O(use_tty) defaults to V(true) as with C(ssh). It applies only to commands that are not pipelined, and it merges
+    their stderr into stdout.
+  - When forks reach one node together, the first opens the node's master connection under a lock in
+    O(control_path_dir) and the others wait for it, so a node costs one SSH login whatever the forks.
+  - The container needs C(/bin/sh) and C(cat). Tools that open their own SSH connection to C(ansible_host)
+    (C(ansible.posix.synchronize)) reach the node, not the container.
+options:
+  host:
+      description: Hostname/IP of the Proxmox VE node that hosts the container (C(ansible_host)).
+      default: inventory_hostname
+      type: string
+      vars:
+           - name: inventory_hostname
+           - name: ansible_host
+           - name: ansible_ssh_host
+           - name: delegated_vars['ansible_host']
+           - name: delegated_vars['ansible_ssh_host']
+  host_key_checking:
+      description: Determines if SSH should reject or not a connection after checking host keys.
+      default: True
+      type: boolean
+      ini:
+          - section: defaults
+            key: 'host_key_checking'
+          - section: ssh_connection
+            key: 'host_key_checking'
+      env:
+          - name: ANSIBLE_HOST_KEY_CHECKING
+          - name: ANSIBLE_SSH_HOST_KEY_CHECKING
+      vars:
+          - name: ansible_host_key_checking
+          - name: ansible_ssh_host_key_checking
+  password:
+      description: Authentication password for the O(remote_user). Can be supplied as CLI option.
+      type: string
+      vars:
+          - name: ansible_password
+          - name: ansible_ssh_pass
+          - name: ansible_ssh_password
+  password_mechanism:
+      description: Mechanism to use for handling ssh password prompt
+      type: string
+      default: ssh_askpass
+      choices:
+          - ssh_askpass
+          - sshpass
+          - disable
+      env:
+          - name: ANSIBLE_SSH_PASSWORD_MECHANISM
+      ini:
+          - {key: password_mechanism, section: ssh_connection}
+      vars:
+          - name: ansible_ssh_password_mechanism
+  sshpass_prompt:
+      description:
+          - Password prompt that C(sshpass)/C(SSH_ASKPASS) should search for.
+          - Supported by sshpass 1.06 and up when O(password_mechanism) set to V(sshpass).
+          - Defaults to C(Enter PIN for) when pkcs11_provider is set.
+          - Defaults to C(assword) when O(password_mechanism) set to V(ssh_askpass).
+      default: ''
+      type: string
+      ini:
+          - section: 'ssh_connection'
+            key: 'sshpass_prompt'
+      env:
+          - name: ANSIBLE_SSHPASS_PROMPT
+      vars:
+          - name: ansible_sshpass_prompt
+  ssh_args:
+      description:
+          - Arguments to pass to all SSH CLI tools.
+          - Unlike C(ssh), no C(-C) by default. Between a controller and its Proxmox nodes compression costs more CPU
+            than it saves (a 50 MB copy took three times as long with it on loopback).
+          - Keep C(ControlMaster) and C(ControlPersist); they are what lets the containers of one node share one connection.
+      default: '-o ControlMaster=auto -o ControlPersist=60s'
+      type: string
+      ini:
+          - section: 'ssh_connection'
+            key: 'ssh_args'
+      env:
+          - name: ANSIBLE_SSH_ARGS
+      vars:
+          - name: ansible_ssh_args
+  ssh_common_args:
+      description: Common extra args for all SSH CLI tools.
+      type: string
+      ini:
+          - section: 'ssh_connection'
+            key: 'ssh_common_args'
+      env:
+          - name: ANSIBLE_SSH_COMMON_ARGS
+      vars:
+          - name: ansible_ssh_common_args
+      cli:
+          - name: ssh_common_args
+      default: ''
+  ssh_executable:
+      default: ssh
+      description:
+        - This defines the location of the SSH binary. It defaults to V(ssh) which will use the first SSH binary available in $PATH.
+        - This option is usually not required, it might be useful when access to system SSH is restricted,
+          or when using SSH wrappers to connect to remote hosts.
+      type: string
+      env: [{name: ANSIBLE_SSH_EXECUTABLE}]
+      ini:
+      - {key: ssh_executable, section: ssh_connection}
+      vars:
+          - name: ansible_ssh_executable
+  ssh_extra_args:
+      description: Extra exclusive to the SSH CLI.
+      type: string
+      vars:
+          - name: ansible_ssh_extra_args
+      env:
+        - name: ANSIBLE_SSH_EXTRA_ARGS
+      ini:
+        - key: ssh_extra_args
+          section: ssh_connection
+      cli:
+        - name: ssh_extra_args
+      default: ''
+  reconnection_retries:
+      description:
+        - Number of attempts to connect.
+        - Ansible retries connections only if it gets an SSH error with a return code of 255.
+        - Any errors with return codes other than 255 indicate an issue with program execution.
+      default: 0
+      type: integer
+      env:
+        - name: ANSIBLE_SSH_RETRIES
+      ini:
+        - section: connection
+          key: retries
+        - section: ssh_connection
+          key: retries
+      vars:
+        - name: ansible_ssh_retries
+  port:
+      description: SSH port of the node.
+      type: int
+      ini:
+        - section: defaults
+          key: remote_port
+      env:
+        - name: ANSIBLE_REMOTE_PORT
+      vars:
+        - name: ansible_port
+        - name: ansible_ssh_port
+      keyword:
+        - name: port
+  remote_user:
+      description:
+          - User name with which to log in to the node, normally set by the remote_user keyword.
+          - Commands inside the container run as root whatever this user is; see O(node_become) for a node user that is not root.
+          - If no user is supplied, Ansible will let the SSH client binary choose the user as it normally.
+      type: string
+      ini:
+        - section: defaults
+          key: remote_user
+      env:
+        - name: ANSIBLE_REMOTE_USER
+      vars:
+        - name: ansible_user
+        - name: ansible_ssh_user
+      cli:
+        - name: user
+      keyword:
+        - name: remote_user
+  private_key_file:
+      description:
+          - Path to private key file to use for authentication.
+      type: string
+      ini:
+        - section: defaults
+          key: private_key_file
+      env:
+        - name: ANSIBLE_PRIVATE_KEY_FILE
+      vars:
+        - name: ansible_private_key_file
+        - name: ansible_ssh_private_key_file
+      cli:
+        - name: private_key_file
+          option: '--private-key'
+  private_key:
+      description:
+        - Private key contents in PEM format. Requires the C(SSH_AGENT) configuration to be enabled.
+      type: string
+      env:
+        - name: ANSIBLE_PRIVATE_KEY
+      vars:
+        - name: ansible_private_key
+        - name: ansible_ssh_private_key
+  private_key_passphrase:
+      description:
+        - Private key passphrase, dependent on O(private_key).
+        - This does NOT have any effect when used with O(private_key_file).
+      type: string
+      env:
+        - name: ANSIBLE_PRIVATE_KEY_PASSPHRASE
+      vars:
+        - name: ansible_private_key_passphrase
+        - name: ansible_ssh_private_key_passphrase
+  control_path:
+    description:
+      - This is the location to save SSH's ControlPath sockets, it uses SSH's variable substitution.
+      - Since 2.3, if null (default), ansible will generate a unique hash. Use ``%(directory)s`` to indicate where to use the control dir path setting.
+      - Before 2.3 it defaulted to ``control_path=%(directory)s/ansible-ssh-%%h-%%p-%%r``.
+      - Be aware that this setting is ignored if C(-o ControlPath) is set in ssh args.
+    type: string
+    env:
+      - name: ANSIBLE_SSH_CONTROL_PATH
+    ini:
+      - key: control_path
+        section: ssh_connection
+    vars:
+      - name: ansible_control_path
+  control_path_dir:
+    default: ~/.ansible/cp
+    description:
+      - This sets the directory to use for ssh control path if the control path setting is null.
+      - Also, provides the ``%(directory)s`` variable for the control path setting.
+    type: string
+    env:
+      - name: ANSIBLE_SSH_CONTROL_PATH_DIR
+    ini:
+      - section: ssh_connection
+        key: control_path_dir
+    vars:
+      - name: ansible_control_path_dir
+  use_tty:
+    default: true
+    description: add -tt to ssh commands to force tty allocation.
+    env: [{name: ANSIBLE_SSH_USETTY}]
+    ini:
+    - {key: usetty, section: ssh_connection}
+    type: bool
+    vars:
+      - name: ansible_ssh_use_tty
+  timeout:
+    default: 10
+    description:
+        - This is the default amount of time we will wait while establishing an SSH connection.
+        - It also controls how long we can wait to access reading the connection once established (select on the socket).
+    env:
+        - name: ANSIBLE_TIMEOUT
+        - name: ANSIBLE_SSH_TIMEOUT
+    ini:
+        - key: timeout
+          section: defaults
+        - key: timeout
+          section: ssh_connection
+    vars:
+      - name: ansible_ssh_timeout
+    cli:
+      - name: timeout
+    type: integer
+  pkcs11_provider:
+    default: ""
+    type: string
+    description:
+      - "PKCS11 SmartCard provider such as opensc, example: /usr/local/lib/opensc-pkcs11.so"
+    env: [{name: ANSIBLE_PKCS11_PROVIDER}]
+    ini:
+      - {key: pkcs11_provider, section: ssh_connection}
+    vars:
+      - name: ansible_ssh_pkcs11_provider
+  verbosity:
+    default: 0
+    type: int
+    description:
+      - Requested verbosity level for the SSH CLI.
+    env: [{name: ANSIBLE_SSH_VERBOSITY}]
+    ini:
+      - {key: verbosity, section: ssh_connection}
+    vars:
+      - name: ansible_ssh_verbosity
+
+  pipelining:
+    description:
+      - Send modules on the stdin of one C(pct exec) call instead of copying them into the container first.
+      - On by default for this plugin (unlike C(ssh)). Inside the container C(sudo) must not need a tty (C(requiretty) off) when
+        become is used.
+    type: boolean
+    default: true
+    env:
+      - name: ANSIBLE_PIPELINING
+      - name: ANSIBLE_SSH_PIPELINING
+    ini:
+      - section: defaults
+        key: pipelining
+      - section: connection
+        key: pipelining
+      - section: ssh_connection
+        key: pipelining
+    vars:
+      - name: ansible_pipelining
+      - name: ansible_ssh_pipelining
+  vmid:
+    description:
+      - VMID of the LXC container on the node O(host).
+      - C(pct_vmid) wins over C(proxmox_vmid), the variable that C(community.proxmox.proxmox_pct_remote) reads.
+      - Required; a host without it fails with a message that names the variables.
+    type: int
+    vars:
+      - name: proxmox_vmid
+      - name: pct_vmid
+    env:
+      - name: ANSIBLE_PCT_VMID
+    ini:
+      - section: pct_connection
+        key: vmid
+  exec_method:
+    description:
+      - How the node enters the container.
+      - V(pct) runs C(pct exec VMID -- ...), with Proxmox's checks and its Perl start-up (about 0.3 s) on every call.
+      - V(lxc-attach) runs C(lxc-attach -n VMID --keep-env -- ...) directly. It is faster but skips the config check,
+        the running check and the removal of C(SSL_CERT_*) from the environment (see notes).
+    type: string
+    default: pct
+    choices: [pct, lxc-attach]
+    vars:
+      - name: pct_exec_method
+    env:
+      - name: ANSIBLE_PCT_EXEC_METHOD
+    ini:
+      - section: pct_connection
+        key: exec_method
+  node_become:
+    description:
+      - Run C(pct) (or C(lxc-attach)) through C(sudo -n) on the node, for a node user that is not root.
+      - 'The node needs a sudoers rule without password for that command, for example
+        C(ansible ALL = (root) NOPASSWD: /usr/sbin/pct).'
+    type: boolean
+    default: false
+    vars:
+      - name: pct_node_become
+    env:
+      - name: ANSIBLE_PCT_NODE_BECOME
+    ini:
+      - section: pct_connection
+        key: node_become
+  pct_executable:
+    description: Path of C(pct) on the node.
+    type: string
+    default: /usr/sbin/pct
+    vars:
+      - name: pct_executable
+    env:
+      - name: ANSIBLE_PCT_EXECUTABLE
+    ini:
+      - section: pct_connection
+        key: pct_executable
+  lxc_attach_executable:
+    description: Path of C(lxc-attach) on the node, for O(exec_method=lxc-attach).
+    type: string
+    default: /usr/bin/lxc-attach
+    vars:
+      - name: pct_lxc_attach_executable
+    env:
+      - name: ANSIBLE_PCT_LXC_ATTACH_EXECUTABLE
+    ini:
+      - section: pct_connection
+        key: lxc_attach_executable
+  command_timeout:
+    description:
+      - Seconds a command may run inside the container before C(timeout) there stops it (TERM, then KILL 5 s later);
+        such a command exits 124. V(0) means no limit.
+      - Killing the SSH client alone would not stop the command, because C(lxc-attach) does not reliably pass signals on.
+        The limit is therefore applied inside the container, which needs C(timeout) (coreutils or busybox) there.
+      - The time to connect to the node is limited by O(timeout).
+    type: int
+    default: 0
+    vars:
+      - name: pct_command_timeout
+    env:
+      - name: ANSIBLE_PCT_COMMAND_TIMEOUT
+    ini:
+      - section: pct_connection
+        key: command_timeout
+"""
+
+EXAMPLES = r"""
+# inventory.yml: containers on two nodes; ansible_host is the node that hosts each container now.
+# all:
+#   children:
+#     gpu_containers:
+#       vars:
+#         ansible_connection: gpuops.fleet.pct
+#         ansible_user: root
+#         ansible_ssh_private_key_file: ~/.ssh/pve_ed25519
+#       hosts:
+#         ct101: {ansible_host: pve1.example.org, pct_vmid: 101}
+#         ct102: {ansible_host: pve1.example.org, pct_vmid: 102}
+#         ct201: {ansible_host: pve2.example.org, pct_vmid: 201, pct_exec_method: lxc-attach}
+
+- name: Check GPUs in every container
+  hosts: gpu_containers
+  gather_facts: false
+  tasks:
+    - name: Show the containers' GPU memory
+      gpuops.fleet.gpu_status:
+
+- name: A node user that is not root runs pct through sudo on the node
+  hosts: gpu_containers
+  vars:
+    ansible_user: ansible
+    pct_node_become: true
+  tasks:
+    - name: Become another user inside the container
+      ansible.builtin.command: id -un
+      become: true
+      become_user: nobody
+      changed_when: false
+"""
+
+import fcntl
+import os
+import re
+import selectors
+import shlex
+import subprocess
+import time
+import typing as t
+
+from ansible.errors import AnsibleAuthenticationFailure, AnsibleConnectionFailure, AnsibleError, AnsibleFileNotFound
+from ansible.module_utils.common.text.converters import to_bytes, to_native, to_text
+from ansible.plugins.connection import ConnectionBase
+from ansible.plugins.connection.ssh import Connection as SSHConnection, _ssh_retry
+from ansible.utils.display import Display
+from ansible.utils.path import unfrackpath
+
+display = Display()
+
+CHUNK = 256 * 1024
+CONTAINER_SHELL = '/bin/sh'
+
+# Proxmox's own words (pve-container src/PVE/LXC.pm, PVE/AbstractConfig.pm); pct dies with exit code 255.
+_NOT_RUNNING = re.compile(r"container '(\d+)' not running!")
+_NO_CONFIG = re.compile(r"Configuration file 'nodes/([^/']+)/lxc/(\d+)\.conf' does not exist")
+_HOSTKEY_CHANGED = 'REMOTE HOST IDENTIFICATION HAS CHANGED'
+_HOSTKEY_FAILED = 'Host key verification failed'
+_AUTH_FAILED = re.compile(r'Permission denied \([^)]*\)')
+_SUDO_PROBLEMS = ('a password is required', 'a terminal is required', 'is not in the sudoers file',
+                  'is not allowed to execute')
+
+
+def _first_line(text: str) -> str:
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return lines[0] if lines else ''
+
+
+class Connection(SSHConnection):
+    """SSH to a Proxmox VE node, then pct exec into one of its containers."""
+
+    transport = 'gpuops.fleet.pct'
+    has_pipelining = True
+
+    # -- the command the node runs --------------------------------------------------------------
+
+    def _vmid(self) -> int:
+        vmid = self.get_option('vmid')
+        if vmid is None:
+            raise AnsibleError('gpuops.fleet.pct: no container id; set pct_vmid (or proxmox_vmid) for this host')
+        return int(vmid)
+
+    def _node_argv(self, container_argv: list[str]) -> list[str]:
+        """argv the node runs to execute container_argv inside the container."""
+        vmid = str(self._vmid())
+        argv = []
+        if self.get_option('node_become'):
+            argv += ['sudo', '-n', '--']
+        if self.get_option('exec_method') == 'lxc-attach':
+            argv += [self.get_option('lxc_attach_executable'), '-n', vmid, '--keep-env', '--']
+        else:
+            argv += [self.get_option('pct_executable'), 'exec', vmid, '--']
+        return argv + container_argv
+
+    def _node_command(self, container_argv: list[str]) -> str:
+        """One string for the node's POSIX login shell; each word single-quoted."""
+        return ' '.join(shlex.quote(word) for word in self._node_argv(container_argv))
+
+    def _wrap(self, cmd: str) -> str:
+        """Ansible's shell command line, run by /bin/sh inside the container."""
+        argv = [CONTAINER_SHELL, '-c', cmd]
+        limit = self.get_option('command_timeout')
+        if limit:
+            argv = ['timeout', '-k', '5', str(int(limit))] + argv
+        return self._node_command(argv)
+
+    # -- errors -------------------------------------------------------------------------------
+
+    def _node_label(self) -> str:
+        user = self.get_option('remote_user')
+        return '%s%s' % ('%s@' % user if user else '', self.host)
+
+    def _explain(self, rc: int, text: str) -> AnsibleError | None:
+        """A one-line error for a failure of the node, pct or ssh; None for the command's own failures."""
+        if rc == 0:
+            return None
+        text = text.replace('\r', '')  # a tty's line ends
+        vmid = str(self._vmid())
+        node = self._node_label()
+        if rc == 255 and _HOSTKEY_CHANGED in text:
+            return AnsibleConnectionFailure(
+                'host key of node %s does not match known_hosts (REMOTE HOST IDENTIFICATION HAS CHANGED); '
+                'if the node was reinstalled, replace its key in known_hosts. Host key checking stays on.' % self.host)
+        if rc == 255 and _HOSTKEY_FAILED in text:
+            return AnsibleConnectionFailure(
+                'host key verification failed for node %s: its key is not in known_hosts (set UserKnownHostsFile '
+                'in ansible_ssh_common_args, or add the verified key). Host key checking stays on.' % self.host)
+        auth = _AUTH_FAILED.search(text)
+        if rc == 255 and auth:
+            return AnsibleAuthenticationFailure(
+                'SSH authentication to node %s failed (%s): check ansible_user and ansible_ssh_private_key_file.'
+                % (node, auth.group(0)))
+        stopped = _NOT_RUNNING.search(text)
+        if rc == 255 and stopped and stopped.group(1) == vmid:
+            return AnsibleConnectionFailure(
+                "container '%s' not running! (node %s): start it (pct start %s) or leave it out of the play."
+                % (vmid, node, vmid))
+        elsewhere = _NO_CONFIG.search(text)
+        if rc == 255 and elsewhere and elsewhere.group(2) == vmid:
+            return AnsibleConnectionFailure(
+                "container %s is not on node %s (%s): pct found no nodes/%s/lxc/%s.conf there. Containers move "
+                "between nodes; use an inventory that tracks nodes (gpuops.fleet.proxmox_gpu reads them from the "
+                "Proxmox API) so that ansible_host names the node that hosts the container now."
+                % (vmid, elsewhere.group(1), self.host, elsewhere.group(1), vmid))
+        tool = (self.get_option('lxc_attach_executable') if self.get_option('exec_method') == 'lxc-attach'
+                else self.get_option('pct_executable'))
+        if self._tool_missing(rc, text, tool):
+            return AnsibleConnectionFailure(
+                '%s not found on node %s: is it a Proxmox VE node? Set pct_executable (or '
+                'pct_lxc_attach_executable) if the tool lives elsewhere.' % (tool, node))
+        if self.get_option('node_become') and rc == 1 and 'sudo' in text and any(p in text for p in _SUDO_PROBLEMS):
+            return AnsibleConnectionFailure(
+                'node_become: sudo on node %s refused to run %s without a password (%s); add a NOPASSWD sudoers '
+                'rule for it.' % (node, tool, _first_line(text)))
+        if self.get_option('node_become') and self._tool_missing(rc, text, 'sudo'):
+            return AnsibleConnectionFailure('node_become: sudo is not installed on node %s.' % node)
+        if self.get_option('exec_method') == 'lxc-attach' and rc in (1, 255) and text.lstrip().startswith('lxc-attach'):
+            return AnsibleConnectionFailure(
+                'lxc-attach could not enter container %s on node %s (%s): it may be stopped or not on this node; '
+                'exec_method=pct gives clearer errors.' % (vmid, node, _first_line(text)))
+        return None
+
+    @staticmethod
+    def _tool_missing(rc: int, text: str, tool: str) -> bool:
+        """The node's shell (rc 127) or sudo (rc 1) could not find tool."""
+        name = re.escape(tool)
+        if rc == 1:
+            return re.search(r'(?m)^sudo: %s: command not found$' % name, text) is not None
+        shells = (r'(?m)^(?:\S+: )?(?:line \d+: |\d+: )?%s: (?:No such file or directory|(?:command )?not found)$',
+                  r'(?m)^\S+: ?\d+: (?:no such file or directory|command not found): %s$')
+        return rc == 127 and any(re.search(pattern % name, text) for pattern in shells)
+
+    def _bare_run(self, cmd: list[bytes], in_data: bytes | None, sudoable: bool = True,
+                  checkrc: bool = True) -> tuple[int, bytes, bytes]:
+        try:
+            rc, stdout, stderr = super()._bare_run(cmd, in_data, sudoable=sudoable, checkrc=checkrc)
+        except AnsibleConnectionFailure as failure:
+            clear = self._explain(255, to_text(failure))
+            if clear is not None:
+                raise clear from None
+            raise
+        clear = self._explain(rc, to_text(stderr) + '\n' + to_text(stdout))
+        if clear is not None:
+            raise clear
+        return rc, stdout, stderr
+
+    # -- one SSH connection per node ----------------------------------------------------------
+
+    def _ensure_master(self) -> None:
+        """Open the node's ControlPersist master once, under a lock, so parallel forks share it.
+
+        Without this, forks that start together each find no control socket and each open their own
+        connection. A failure here is ignored: the real command reports it.
+        """
+        if self.get_option('password') or self._play_context.password:
+            return
+        cmd = self._build_command(self.get_option('ssh_executable'), 'ssh', '-N', '-f', self.host)
+        if not getattr(self, '_persistent', False) or not self.control_path or not self.control_path_dir:
+            return  # no ControlPersist, or a ControlPath of the user's own in ssh args
+        socket_path = self.control_path % dict(directory=unfrackpath(self.control_path_dir))
+        if '%' in socket_path or os.path.exists(socket_path):
+            return  # ssh expands %h-style tokens itself: no path to watch; or the master is up
+        timeout = int(self.get_option('timeout'))
+        with open(socket_path + '.lock', 'a+') as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                if os.path.exists(socket_path):
+                    return
+                lock.seek(0)
+                failed_at = lock.read().strip()
+                if failed_at and time.time() - float(failed_at) < timeout + 5:
+                    return  # another fork just failed to connect: don't queue behind it, fail on our own
+                display.vvv('SSH: opening master connection to node %s' % self.host, host=self.host)
+                try:
+                    rc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.DEVNULL, timeout=timeout + 5, check=False).returncode
+                except (OSError, subprocess.TimeoutExpired) as ex:
+                    display.vvv('SSH: master connection not opened: %s' % ex, host=self.host)
+                    rc = -1
+                lock.seek(0)
+                lock.truncate()
+                if rc != 0:
+                    lock.write('%f' % time.time())
+            except ValueError:
+                pass  # a lock file that is not ours to read: just go on
+            finally:
+                lock.flush()
+                fcntl.flock(lock, fcntl.LOCK_UN)
+
+    # -- public methods -----------------------------------------------------------------------
+
+    def _connect(self) -> Connection:
+        self._vmid()
+        return self
+
+    def exec_command(self, cmd: str, in_data: bytes | None = None, sudoable: bool = True) -> tuple[int, bytes, bytes]:
+        """Run cmd inside the container: ssh NODE pct exec VMID -- /bin/sh -c CMD."""
+        ConnectionBase.exec_command(self, cmd, in_data=in_data, sudoable=sudoable)
+        self.host = self.get_option('host') or self._play_context.remote_addr
+        display.vvv('PCT EXEC in container %s on node %s' % (self._vmid(), self.host), host=self.host)
+        self._ensure_master()
+        return super().exec_command(self._wrap(cmd), in_data=in_data, sudoable=sudoable)
+
+    def put_file(self, in_path: str, out_path: str) -> tuple[int, bytes, bytes]:  # type: ignore[override]
+        """Stream a local file into the container: cat > OUT, no temporary file on the node."""
+        ConnectionBase.put_file(self, in_path, out_path)
+        self.host = self.get_option('host') or self._play_context.remote_addr
+        display.vvv('PUT %s TO %s in container %s' % (in_path, out_path, self._vmid()), host=self.host)
+        if not os.path.exists(to_bytes(in_path, errors='surrogate_or_strict')):
+            raise AnsibleFileNotFound('file or module does not exist: %s' % to_native(in_path))
+        self._ensure_master()
+        remote = self._node_command([CONTAINER_SHELL, '-c', 'cat > %s' % shlex.quote(to_text(out_path))])
+        cmd = self._build_command(self.get_option('ssh_executable'), 'ssh', self.host, remote)
+        return self._stream(cmd, in_path, out_path, 'put')
+
+    def fetch_file(self, in_path: str, out_path: str) -> tuple[int, bytes, bytes]:  # type: ignore[override]
+        """Stream a file out of the container: cat < IN, written to OUT in chunks."""
+        ConnectionBase.fetch_file(self, in_path, out_path)
+        self.host = self.get_option('host') or self._play_context.remote_addr
+        display.vvv('FETCH %s TO %s from container %s' % (in_path, out_path, self._vmid()), host=self.host)
+        self._ensure_master()
+        remote = self._node_command([CONTAINER_SHELL, '-c', 'exec cat < %s' % shlex.quote(to_text(in_path))])
+        cmd = self._build_command(self.get_option('ssh_executable'), 'ssh', self.host, remote)
+        return self._stream(cmd, in_path, out_path, 'fetch')
+
+    # -- streaming ----------------------------------------------------------------------------
+
+    @_ssh_retry
+    def _stream(self, cmd: list[bytes], in_path: str, out_path: str, direction: str) -> tuple[int, bytes, bytes]:
+        local = out_path if direction == 'fetch' else in_path
+        b_local = to_bytes(local, errors='surrogate_or_strict')
+        with open(b_local, 'wb' if direction == 'fetch' else 'rb') as local_file:
+            rc, stderr = self._pump(cmd, local_file, direction)
+        text = to_text(stderr)
+        clear = self._explain(rc, text)
+        if clear is not None:
+            if direction == 'fetch':
+                os.unlink(b_local)
+            raise clear
+        if rc == 255:
+            return rc, b'', stderr  # ssh failed; _ssh_retry retries or raises
+        if rc != 0:
+            if direction == 'fetch':
+                os.unlink(b_local)
+            raise AnsibleError('failed to %s %s %s container %s: %s' % (
+                direction, to_native(in_path), 'into' if direction == 'put' else 'from',
+                self._vmid(), _first_line(text) or 'exit code %d' % rc))
+        return rc, b'', stderr
+
+    def _pump(self, cmd: list[bytes], local_file: t.BinaryIO, direction: str) -> tuple[int, bytes]:
+        """Run ssh; copy local_file to its stdin (put) or its stdout to local_file (fetch), CHUNK at a time."""
+        display.vvv('SSH: STREAM %s' % ' '.join(shlex.quote(to_text(c)) for c in cmd), host=self.host)
+        popen_kwargs = self._init_shm()
+        if self.sshpass_pipe:
+            popen_kwargs['pass_fds'] = self.sshpass_pipe
+        try:
+            proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if direction == 'put' else subprocess.DEVNULL,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, **popen_kwargs)
+        except OSError as ex:
+            self._cleanup_shm()
+            raise AnsibleError('Unable to execute ssh command line on a controller: %s' % ex) from None
+        conn_password = self.get_option('password') or self._play_context.password
+        if self.sshpass_pipe and conn_password:
+            os.close(self.sshpass_pipe[0])
+            try:
+                os.write(self.sshpass_pipe[1], to_bytes(conn_password) + b'\n')
+            except OSError:
+                pass
+            os.close(self.sshpass_pipe[1])
+            self.sshpass_pipe = None
+
+        stderr = bytearray()
+        pending = b''
+        selector = selectors.DefaultSelector()
+        for stream in (proc.stdout, proc.stderr):
+            os.set_blocking(stream.fileno(), False)
+            selector.register(stream, selectors.EVENT_READ)
+        if direction == 'put':
+            os.set_blocking(proc.stdin.fileno(), False)
+            selector.register(proc.stdin, selectors.EVENT_WRITE)
+        stdout_open = True
+        try:
+            while selector.get_map():
+                for key, dummy in selector.select(1.0):
+                    if key.fileobj is proc.stdin:
+                        if not pending:
+                            pending = local_file.read(CHUNK)
+                        if not pending:
+                            selector.unregister(proc.stdin)
+                            proc.stdin.close()
+                            continue
+                        try:
+                            written = os.write(proc.stdin.fileno(), pending)
+                        except BlockingIOError:
+                            continue
+                        except BrokenPipeError:
+                            selector.unregister(proc.stdin)
+                            proc.stdin.close()
+                            continue
+                        pending = pending[written:]
+                        continue
+                    try:
+                        data = os.read(key.fd, CHUNK)
+                    except BlockingIOError:
+                        continue
+                    if not data:
+                        selector.unregister(key.fileobj)
+                        if key.fileobj is proc.stdout:
+                            stdout_open = False
+                        continue
+                    if key.fileobj is proc.stderr:
+                        stderr += data
+                    elif direction == 'fetch':
+                        local_file.write(data)
+                # A new ControlPersist master inherits stderr and keeps it open: stop once ssh is gone.
+                if not stdout_open and proc.poll() is not None:
+                    break
+        finally:
+            selector.close()
+            if proc.stdin and not proc.stdin.closed:
+                try:
+                    proc.stdin.close()
+                except BrokenPipeError:
+                    pass
+            rc = proc.wait()
+            try:
+                while True:
+                    data = os.read(proc.stderr.fileno(), CHUNK)
+                    if not data:
+                        break
+                    stderr += data
+            except BlockingIOError:
+                pass
+            proc.stdout.close()
+            proc.stderr.close()
+            self._cleanup_shm()
+        return rc, bytes(stderr)
+
+    def _cleanup_shm(self) -> None:
+        """Drop the shared memory that handed the password to ssh's askpass helper."""
+        if self.shm:
+            self.shm.close()
+            try:
+                self.shm.unlink()
+            except FileNotFoundError:
+                pass
+            self.shm = None

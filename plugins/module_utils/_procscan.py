@@ -1,0 +1,400 @@
+# Copyright (c) 2026 gpuops
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Find the processes that hold NVIDIA device nodes by reading /proc (private helper).
+
+No AnsibleModule here: the same code can run in a container or on a node
+against host pids. Facts it relies on are in GPU_FACTS.md rows 4, 5, 6 and 8.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import re
+import threading
+
+_GONE = (errno.ENOENT, errno.ESRCH)
+DELETED = " (deleted)"
+
+
+def read_bytes(path):
+    """Read a whole (proc) file; raise OSError like open() does."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    try:
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def read_text(path):
+    return read_bytes(path).decode("utf-8", "replace")
+
+
+class DeviceNames(object):
+    """Recognises NVIDIA device paths under dev_dir (default /dev), by name only.
+
+    In the lab the nodes are regular files bind-mounted at those paths, so the
+    file type is never checked.
+    """
+
+    def __init__(self, dev_dir="/dev"):
+        self.dev_dir = dev_dir.rstrip("/") or "/"
+        prefix = re.escape(self.dev_dir.rstrip("/") + "/")
+        self._re = re.compile(prefix + r"(?:nvidia(\d+)|(nvidiactl)|(nvidia-uvm(?:-tools)?)|(nvidia-caps/[^/\s]+)|(nvidia-modeset))$")
+        self.marker = (self.dev_dir.rstrip("/") + "/nvidia").encode()
+
+    def classify(self, path):
+        """Return ('gpu', minor), ('ctl', None), ('uvm', None), ('caps', None), ('modeset', None) or None."""
+        if path.endswith(DELETED):
+            path = path[: -len(DELETED)]
+        m = self._re.match(path)
+        if not m:
+            return None
+        if m.group(1) is not None:
+            return ("gpu", int(m.group(1)))
+        if m.group(2):
+            return ("ctl", None)
+        if m.group(3):
+            return ("uvm", None)
+        if m.group(4):
+            return ("caps", None)
+        return ("modeset", None)
+
+    def strip(self, path):
+        return path[: -len(DELETED)] if path.endswith(DELETED) else path
+
+
+def parse_stat(text):
+    """Parse /proc/PID/stat (the comm may hold spaces and parentheses)."""
+    head, dummy, tail = text.rpartition(")")
+    pid_part, dummy, comm = head.partition(" (")
+    fields = tail.split()
+    # fields[0] is field 3 (state); starttime is field 22, num_threads field 20
+    return {
+        "pid": int(pid_part),
+        "comm": comm,
+        "state": fields[0],
+        "ppid": int(fields[1]),
+        "num_threads": int(fields[17]),
+        "starttime": int(fields[19]),
+    }
+
+
+def parse_status(text):
+    """Parse /proc/PID/status into the fields used here."""
+    out = {}
+    for line in text.splitlines():
+        key, dummy, value = line.partition(":")
+        value = value.strip()
+        if key == "Name":
+            out["name"] = value
+        elif key == "State":
+            out["state"] = value.split(" ", 1)[0]
+            out["state_text"] = value
+        elif key in ("PPid", "Tgid", "Pid", "Threads"):
+            out[key.lower()] = int(value)
+        elif key == "Uid":
+            out["uid"] = int(value.split()[0])
+        elif key == "NSpid":
+            out["nspid"] = [int(v) for v in value.split()]
+    return out
+
+
+def parse_maps_devices(data, devices):
+    """Device paths named in /proc/PID/maps text (bytes or str), sorted, without ' (deleted)'."""
+    if isinstance(data, bytes):
+        if devices.marker not in data:
+            return []
+        data = data.decode("utf-8", "replace")
+    found = set()
+    for line in data.splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6:
+            path = parts[5]
+            if devices.classify(path):
+                found.add(devices.strip(path))
+    return sorted(found)
+
+
+def parse_cgroup(text):
+    """The cgroup v2 path (`0::/path`), else the first hierarchy's path."""
+    first = None
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            return parts[2]
+        if first is None:
+            first = parts[2]
+    return first
+
+
+class ProcEntry(object):
+    """One process that has a device node open or mapped."""
+
+    __slots__ = ("pid", "comm", "state", "ppid", "num_threads", "starttime",
+                 "fd_devices", "map_devices", "via", "table_tid", "defunct_leader")
+
+    def __init__(self, pid, stat):
+        self.pid = pid
+        self.comm = stat.get("comm") if stat else None
+        self.state = stat.get("state") if stat else None
+        self.ppid = stat.get("ppid") if stat else None
+        self.num_threads = stat.get("num_threads") if stat else None
+        self.starttime = stat.get("starttime") if stat else None
+        self.fd_devices = []
+        self.map_devices = []
+        self.via = []
+        self.table_tid = pid
+        self.defunct_leader = False
+
+    @property
+    def is_holder(self):
+        """A process that maps a device node has a context (GPU_FACTS row 8)."""
+        return bool(self.map_devices)
+
+
+class ScanResult(object):
+    def __init__(self):
+        self.entries = {}        # pid -> ProcEntry (holders and clients)
+        self.zombies = []        # dicts: pid, ppid, comm (one-thread zombies)
+        self.unreadable = []     # pids whose tables could not be read
+        self.scanned = 0
+
+
+def _read_fd_devices(fd_dir, devices):
+    """readlink every entry of an fd directory; return matching device paths."""
+    try:
+        dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno in _GONE:
+            return None
+        raise
+    found = set()
+    marker = devices.marker.decode()
+    readlink = os.readlink
+    try:
+        for name in os.listdir(dir_fd):
+            try:
+                target = readlink(name, dir_fd=dir_fd)
+            except OSError:
+                continue
+            if target.startswith(marker) and devices.classify(target):
+                found.add(devices.strip(target))
+    finally:
+        os.close(dir_fd)
+    return sorted(found)
+
+
+def live_thread(proc_root, pid):
+    """A thread id of pid that is not a zombie, or None."""
+    try:
+        tids = os.listdir("%s/%d/task" % (proc_root, pid))
+    except OSError:
+        return None
+    for name in sorted(tids, key=int):
+        tid = int(name)
+        if tid == pid:
+            continue
+        try:
+            stat = parse_stat(read_text("%s/%d/task/%d/stat" % (proc_root, pid, tid)))
+        except (OSError, ValueError, IndexError):
+            continue
+        if stat["state"] not in ("Z", "X"):
+            return tid
+    return None
+
+
+def scan(proc_root="/proc", devices=None, skip_pids=(), workers=None):
+    """Scan every process once; return a ScanResult.
+
+    Reads /proc/PID/maps and /proc/PID/fd of each process. For a defunct
+    leader (state Z, more than one thread) it reads one live thread's tables
+    instead, since threads share them (GPU_FACTS row 4). The reads are system
+    calls that release the GIL, so a few threads share the work on big hosts.
+    """
+    devices = devices or DeviceNames()
+    skip = set(skip_pids)
+    pids = [int(name) for name in os.listdir(proc_root) if name.isdigit() and int(name) not in skip]
+    if workers is None:
+        workers = min(4, os.cpu_count() or 1) if len(pids) > 500 else 1
+    result = ScanResult()
+    if workers <= 1:
+        _scan_pids(proc_root, devices, pids, result)
+        return result
+    parts = [ScanResult() for dummy in range(workers)]
+    threads = [threading.Thread(target=_scan_pids, args=(proc_root, devices, pids[i::workers], parts[i]))
+               for i in range(workers)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for part in parts:
+        result.entries.update(part.entries)
+        result.zombies.extend(part.zombies)
+        result.unreadable.extend(part.unreadable)
+        result.scanned += part.scanned
+    result.zombies.sort(key=lambda z: z["pid"])
+    result.unreadable.sort()
+    return result
+
+
+def _scan_pids(proc_root, devices, pids, result):
+    marker = devices.marker
+    for pid in pids:
+        name = str(pid)
+        result.scanned += 1
+        base = "%s/%s" % (proc_root, name)
+        try:
+            maps = read_bytes(base + "/maps")
+        except OSError as exc:
+            if exc.errno in _GONE:
+                continue
+            maps = None
+        stat = None
+        table_base = base
+        table_tid = pid
+        defunct = False
+        if not maps:
+            # kernel thread, zombie, defunct leader or unreadable
+            try:
+                stat = parse_stat(read_text(base + "/stat"))
+            except (OSError, ValueError, IndexError):
+                continue
+            if stat["state"] == "Z":
+                if stat["num_threads"] <= 1:
+                    result.zombies.append({"pid": pid, "ppid": stat["ppid"], "comm": stat["comm"]})
+                    continue
+                tid = live_thread(proc_root, pid)
+                if tid is None:
+                    continue
+                defunct = True
+                table_tid = tid
+                table_base = "%s/task/%d" % (base, tid)
+                try:
+                    maps = read_bytes(table_base + "/maps")
+                except OSError:
+                    maps = None
+            elif maps is None:
+                result.unreadable.append(pid)
+            else:
+                continue  # no address space: kernel thread
+        mapped = parse_maps_devices(maps, devices) if maps and marker in maps else []
+        try:
+            fds = _read_fd_devices(table_base + "/fd", devices)
+        except OSError:
+            fds = []
+            if pid not in result.unreadable:
+                result.unreadable.append(pid)
+        if fds is None:
+            continue
+        if not mapped and not fds:
+            continue
+        if stat is None:
+            try:
+                stat = parse_stat(read_text(base + "/stat"))
+            except (OSError, ValueError, IndexError):
+                continue
+        entry = ProcEntry(pid, stat)
+        entry.fd_devices = fds
+        entry.map_devices = mapped
+        entry.table_tid = table_tid
+        entry.defunct_leader = defunct
+        if defunct:
+            entry.via = ["task"]
+        else:
+            entry.via = ([u"fd"] if fds else []) + ([u"mmap"] if mapped else [])
+        result.entries[pid] = entry
+
+
+def read_stat(pid, proc_root="/proc"):
+    """parse_stat of a live pid, or None when it is gone."""
+    try:
+        return parse_stat(read_text("%s/%d/stat" % (proc_root, pid)))
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def same_process(pid, starttime, proc_root="/proc"):
+    """True while pid still names the process that started at starttime (clock ticks)."""
+    stat = read_stat(pid, proc_root)
+    return stat is not None and stat["starttime"] == starttime
+
+
+def ancestors(pid, proc_root="/proc"):
+    """pids above pid (parent first) up to the namespace's top."""
+    out = []
+    seen = set()
+    current = pid
+    while True:
+        stat = read_stat(current, proc_root)
+        if stat is None:
+            break
+        parent = stat["ppid"]
+        if parent <= 0 or parent in seen:
+            break
+        out.append(parent)
+        seen.add(parent)
+        current = parent
+    return out
+
+
+def is_descendant(pid, root, proc_root="/proc", cache=None):
+    """True when root is an ancestor of pid."""
+    cache = {} if cache is None else cache
+    chain = []
+    current = pid
+    found = False
+    for dummy in range(4096):
+        if current in cache:
+            found = cache[current]
+            break
+        stat = read_stat(current, proc_root)
+        if stat is None or stat["ppid"] <= 0:
+            break
+        chain.append(current)
+        if stat["ppid"] == root:
+            found = True
+            break
+        current = stat["ppid"]
+    for item in chain:
+        cache[item] = found
+    return found
+
+
+def thread_details(pid, proc_root="/proc", with_stack=True):
+    """States of the threads of pid: counts per state, and D-state threads with wchan and stack."""
+    counts = {}
+    blocked = []
+    task_dir = "%s/%d/task" % (proc_root, pid)
+    try:
+        tids = sorted((int(t) for t in os.listdir(task_dir)))
+    except OSError:
+        return counts, blocked
+    for tid in tids:
+        stat = read_stat(tid, task_dir)
+        if stat is None:
+            continue
+        state = stat["state"]
+        counts[state] = counts.get(state, 0) + 1
+        if state == "D":
+            info = {"tid": tid, "comm": stat["comm"], "wchan": None, "stack": None}
+            try:
+                info["wchan"] = read_text("%s/%d/wchan" % (task_dir, tid)).strip() or None
+            except OSError:
+                pass
+            if with_stack:
+                try:
+                    stack = read_text("%s/%d/stack" % (task_dir, tid)).strip()
+                    info["stack"] = [line.strip() for line in stack.splitlines() if line.strip()] or None
+                except OSError:
+                    pass
+            blocked.append(info)
+    return counts, blocked

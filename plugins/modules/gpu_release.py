@@ -1,0 +1,338 @@
+#!/usr/bin/python
+# Copyright (c) 2026 gpuops
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: gpu_release
+short_description: Free NVIDIA GPU memory by escalating signals until it is verified free
+version_added: 0.1.0
+description:
+  - Frees the memory of the selected GPUs and verifies it, or fails with a precise account of what still holds
+    them and what would free them.
+  - Climbs a ladder, each rung only while targeted memory is still held.
+  - 1. Read the state. If every targeted GPU is free, nothing is signalled (C(changed=false)).
+  - 2. SIGTERM every holder of a targeted GPU, then poll NVML and C(/proc) every 75 ms for up to O(term_timeout).
+  - 3. SIGKILL the survivors, defunct leaders whose threads live included, and poll for up to O(kill_timeout).
+  - 4. One-thread zombies hold nothing; they are reported with their parent, never signalled.
+  - 5. Holders stuck in C(D) state are reported with their wchan and kernel stack; the module keeps waiting up to
+    O(verify_timeout).
+  - 6. With O(gpu_reset=true), a GPU that no process holds but whose memory is still used is reset with
+    C(nvidia-smi --gpu-reset); the reset is refused while any holder remains.
+  - 7. Verify that every targeted GPU's v2 C(used) is at most O(threshold_mib), else fail with the gpu_status
+    diagnosis and what was tried.
+  - "It signals only processes that C(/proc) shows holding a targeted GPU. Never: a pid known only from NVML, an
+    NVML client (a process with the device files open but nothing mapped), pid 1, the module's own process tree,
+    C(nvidia-persistenced), C(nv-hostengine), C(nv-fabricmanager), C(dcgm-exporter), C(sshd), C(lxc-attach), C(pct),
+    or anything listed in O(protect)."
+  - Each signal is guarded against pid reuse (a pidfd and a start-time check, or psutil's create-time check), is
+    recorded in RV(actions) and written to the target's log.
+  - "If new holders appear after a kill under the same parent or supervisor, the task fails with the message
+    'respawned by pid X (name): stop the service first'. Stopping services is the job of the
+    C(gpuops.fleet.release_gpus) role."
+author:
+  - gpuops (@gpuops)
+extends_documentation_fragment:
+  - gpuops.fleet._gpu
+  - gpuops.fleet._gpu.attributes
+attributes:
+  check_mode:
+    support: full
+    details: Signals nothing and returns RV(plan), which pids would get which signal.
+  diff_mode:
+    support: none
+  idempotent:
+    support: full
+    details: A second run on free GPUs sends no signal and reports C(changed=false).
+  platform:
+    support: full
+    platforms: posix
+options:
+  match:
+    description:
+      - A regular expression searched in the name and the command line of each holder. Holders that do not match
+        are reported, not signalled (the task then fails if their memory stays).
+    type: str
+  protect:
+    description:
+      - More processes never to signal, added to the built-in list. Each entry is a pid, or a regular expression
+        that must match the whole process name or the whole command line.
+    type: list
+    elements: str
+    default: []
+  term_timeout:
+    description: Seconds to wait after SIGTERM before SIGKILL. 0 or more.
+    type: float
+    default: 10
+  kill_timeout:
+    description: Seconds to wait after SIGKILL for the holders to go. 0 or more.
+    type: float
+    default: 10
+  verify_timeout:
+    description:
+      - Seconds to wait for the memory to be verified free once the signals are sent (and again after a reset).
+      - When no process visible here holds a targeted GPU any more, the module waits at most 1 s more for its memory.
+      - 0 or more.
+    type: float
+    default: 30
+  gpu_reset:
+    description:
+      - Reset a targeted GPU with C(nvidia-smi --gpu-reset -i INDEX) when no process holds it but its memory is still
+        used (leaked memory). Refused while any holder remains. C(nvidia-smi) is looked up in E(PATH) and in
+        C(/usr/local/sbin), C(/usr/local/bin), C(/usr/local/nvidia/bin), C(/usr/sbin), C(/usr/bin), C(/sbin), C(/bin).
+    type: bool
+    default: false
+  lock_timeout:
+    description:
+      - Seconds to wait for the per-GPU lock (a file lock in C(/run/lock)) that serialises two releases of the same
+        GPU. The second release waits, then re-reads the state (usually finding the GPU free), or fails clearly.
+      - 0 or more.
+    type: float
+    default: 60
+  timeout:
+    description:
+      - Overall limit in seconds for the whole task, enforced by the module itself, so that a dropped SSH channel
+        cannot leave it running forever. More than 0.
+    type: float
+    default: 180
+seealso:
+  - module: gpuops.fleet.gpu_status
+"""
+
+EXAMPLES = r"""
+- name: Free every GPU of this container
+  gpuops.fleet.gpu_release:
+  register: released
+
+- name: Free GPUs 0 and 1, only signalling our own training jobs, with short timeouts
+  gpuops.fleet.gpu_release:
+    gpus: [0, 1]
+    match: 'train\.py'
+    term_timeout: 5
+    kill_timeout: 5
+    verify_timeout: 10
+
+- name: Show what would be signalled
+  gpuops.fleet.gpu_release:
+  check_mode: true
+  register: plan
+
+- name: Free a GPU whose memory leaked, resetting it if nothing holds it
+  gpuops.fleet.gpu_release:
+    gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
+    gpu_reset: true
+
+- name: Never touch the exporter started by our monitoring
+  gpuops.fleet.gpu_release:
+    protect:
+      - my-exporter
+      - '.*--metrics-port.*'
+"""
+
+RETURN = r"""
+changed:
+  description: Whether a signal was sent or a GPU was reset (in check mode, whether any would be signalled).
+  returned: always
+  type: bool
+  sample: true
+before:
+  description: Per targeted GPU, the state before the ladder.
+  returned: success or failure after NVML answered
+  type: list
+  elements: dict
+  sample: [{"index": 0, "minor": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "used_mib": 33792,
+            "reserved_mib": 615, "v1_used_mib": 34407, "free": false, "holders": [533], "error": null}]
+after:
+  description: Per targeted GPU, the state after the ladder (same fields as RV(before)); null in check mode.
+  returned: success or failure after NVML answered
+  type: list
+  elements: dict
+  sample: [{"index": 0, "minor": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "used_mib": 0,
+            "reserved_mib": 615, "v1_used_mib": 615, "free": true, "holders": [], "error": null}]
+released_mib:
+  description: MiB freed on the targeted GPUs (sum of RV(before) used minus RV(after) used).
+  returned: always
+  type: int
+  sample: 33792
+actions:
+  description: Every signal sent (or refused) and every reset tried, in order.
+  returned: always
+  type: list
+  elements: dict
+  contains:
+    time:
+      description: Wall-clock time, seconds since the epoch.
+      type: float
+      sample: 1764430000.512
+    elapsed_s:
+      description: Seconds since the task started.
+      type: float
+      sample: 0.061
+    pid:
+      description: The pid signalled (0 for a reset).
+      type: int
+      sample: 533
+    name:
+      description: The process name (or C(GPU N) for a reset).
+      type: str
+      sample: python3
+    signal:
+      description: C(SIGTERM), C(SIGKILL) or C(reset).
+      type: str
+      sample: SIGKILL
+    outcome:
+      description: C(sent), C(gone), C(not sent... pid reused), or the reset's result (C(done...), C(refused...), C(failed...)).
+      type: str
+      sample: sent
+  sample: [{"time": 1764430000.512, "elapsed_s": 0.061, "pid": 533, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}]
+rung_reached:
+  description: The highest rung climbed; one of C(none), C(sigterm), C(sigkill), C(wait) (holders stuck in D state), C(reset).
+  returned: always
+  type: str
+  sample: sigkill
+elapsed_s:
+  description: Seconds the task took on the target.
+  returned: always
+  type: float
+  sample: 0.31
+remaining:
+  description: The targeted GPUs still not free at the end, with what still holds them; empty when verified free.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"index": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "used_mib": 4096, "unattributed_mib": 0,
+            "holders": [{"pid": 812, "name": "python3", "state": "D",
+                         "blocked_threads": [{"tid": 812, "comm": "python3", "wchan": "__refrigerator", "stack": null}]}],
+            "error": null}]
+diagnosis:
+  description: The gpu_status diagnosis of the final state, plus holders that were not signalled and why.
+  returned: always
+  type: list
+  elements: str
+  sample: ["pid 812 (python3) has thread 812 in D state (wchan __refrigerator) holding /dev/nvidia0, /dev/nvidiactl: ..."]
+plan:
+  description:
+    - Which pids get which signals (decided before acting); in check mode nothing is sent.
+    - C(gpus) lists the targeted GPU indexes the process holds; for an unattributed holder (signalled only when every
+      GPU is targeted) it lists every targeted GPU and C(unattributed) is true.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"pid": 533, "name": "python3", "gpus": [0], "unattributed": false, "signals": ["SIGTERM", "SIGKILL"],
+            "note": "SIGKILL only if it still holds the GPU after term_timeout"}]
+not_signalled:
+  description: Holders of targeted GPUs that were left alone, with the reason (protected, not matching O(match), unpinned).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"pid": 640, "name": "python3", "reason": "does not match `match` (train)"}]
+respawned:
+  description: The new holder and its parent when a respawn was detected; null otherwise.
+  returned: always
+  type: dict
+  sample: {"pid": 702, "parent_pid": 35, "parent_name": "supervisord"}
+"""
+
+import signal
+import time
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
+    GPU_COMMON_ARGS, Engine, missing_lib_message,
+)
+from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
+    HAS_PYNVML, PYNVML_IMPORT_ERROR, Nvml, NvmlFailure,
+)
+from ansible_collections.gpuops.fleet.plugins.module_utils._redact import compile_patterns
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import (
+    HAS_PSUTIL, PSUTIL_IMPORT_ERROR, ReleaseTimeout, release,
+)
+from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import (
+    Protect, SelectorError, compile_regex,
+)
+
+BACKSTOP_S = 5.0  # the hard alarm fires this long after `timeout`, should a wait overrun it
+
+
+def _backstop(signum, frame):
+    raise ReleaseTimeout("the overall timeout was reached (hard stop)")
+
+
+def main():
+    argument_spec = dict(GPU_COMMON_ARGS)
+    argument_spec.update(
+        match=dict(type="str"),
+        protect=dict(type="list", elements="str", default=[]),
+        term_timeout=dict(type="float", default=10.0),
+        kill_timeout=dict(type="float", default=10.0),
+        verify_timeout=dict(type="float", default=30.0),
+        gpu_reset=dict(type="bool", default=False),
+        lock_timeout=dict(type="float", default=60.0),
+        timeout=dict(type="float", default=180.0),
+    )
+    module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
+    started = time.monotonic()
+    params = module.params
+
+    # bad input fails before NVML is even opened
+    for name in ("term_timeout", "kill_timeout", "verify_timeout", "lock_timeout"):
+        if params[name] < 0:
+            module.fail_json(msg="%s must be 0 or more, got %s" % (name, params[name]))
+    if params["timeout"] <= 0:
+        module.fail_json(msg="timeout must be more than 0, got %s" % params["timeout"])
+    if params["threshold_mib"] < 0:
+        module.fail_json(msg="threshold_mib must be 0 or more, got %s" % params["threshold_mib"])
+    if params["nvml_timeout"] <= 0:
+        module.fail_json(msg="nvml_timeout must be more than 0, got %s" % params["nvml_timeout"])
+    try:
+        patterns = compile_patterns(params["redact"])
+        match = compile_regex(params["match"], "match") if params["match"] is not None else None
+        protect = Protect(params["protect"])
+    except (ValueError, SelectorError) as exc:
+        module.fail_json(msg=str(exc))
+    if not HAS_PSUTIL:
+        module.fail_json(msg=missing_lib_message("psutil", "psutil"), exception=repr(PSUTIL_IMPORT_ERROR))
+    if not HAS_PYNVML:
+        module.fail_json(msg=missing_lib_message("nvidia-ml-py", "pynvml"), exception=repr(PYNVML_IMPORT_ERROR))
+
+    deadline = started + params["timeout"]
+    signal.signal(signal.SIGALRM, _backstop)
+    signal.setitimer(signal.ITIMER_REAL, params["timeout"] + BACKSTOP_S)
+
+    nvml = Nvml(timeout=params["nvml_timeout"])
+    engine = Engine(nvml, redact_patterns=patterns, with_cmdline=params["cmdline"],
+                    threshold_mib=params["threshold_mib"])
+    try:
+        try:
+            engine.start()
+        except NvmlFailure as exc:
+            module.fail_json(msg="NVML cannot be used on this host, nothing was signalled: %s" % exc.message,
+                             changed=False, diagnosis=[exc.message])
+        try:
+            targets = engine.select(params["gpus"])
+        except SelectorError as exc:
+            module.fail_json(msg=str(exc), changed=False)
+        names = ("term_timeout", "kill_timeout", "verify_timeout", "gpu_reset", "lock_timeout", "timeout")
+        options = dict((k, params[k]) for k in names)
+        options.update(match=match, protect=protect)
+        failed, msg, result = release(engine, targets, options, check_mode=module.check_mode, log=module.log,
+                                      deadline=deadline)
+    except ReleaseTimeout as exc:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        module.fail_json(msg="%s (timeout %ss); the state is unknown, run gpuops.fleet.gpu_status"
+                         % (exc, params["timeout"]), elapsed_s=round(time.monotonic() - started, 3))
+    except Exception as exc:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        module.fail_json(msg="gpu_release failed: %s" % exc, exception=traceback.format_exc())
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    nvml.shutdown()
+    if failed:
+        module.fail_json(msg=msg, **result)
+    module.exit_json(msg=msg, **result)
+
+
+if __name__ == "__main__":
+    main()

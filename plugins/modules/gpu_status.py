@@ -1,0 +1,367 @@
+#!/usr/bin/python
+# Copyright (c) 2026 gpuops
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+module: gpu_status
+short_description: Who holds each NVIDIA GPU, and why its memory is not free
+version_added: 0.1.0
+description:
+  - Reports, for each selected GPU, its memory as NVML sees it, the processes that hold a context on it (found in
+    C(/proc), not taken from NVML), the NVML-only clients that merely have the device files open, and what NVML's own
+    process list says and whether it can be trusted here.
+  - Finds what C(fuser) and C(nvidia-smi) miss, such as a defunct thread-group leader whose live threads still hold
+    the GPU, a forked child that keeps a dead parent's memory through inherited file descriptors, and a process that
+    closed its files but still maps the device.
+  - Returns C(diagnosis), a list of plain sentences, one per finding, each naming the pid and the remedy.
+  - Read-only; C(changed) is always false.
+author:
+  - gpuops (@gpuops)
+extends_documentation_fragment:
+  - gpuops.fleet._gpu
+  - gpuops.fleet._gpu.attributes
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+  idempotent:
+    support: full
+  platform:
+    support: full
+    platforms: posix
+options: {}
+seealso:
+  - module: gpuops.fleet.gpu_release
+"""
+
+EXAMPLES = r"""
+- name: Who holds the GPUs of this container
+  gpuops.fleet.gpu_status:
+  register: gpu
+
+- name: Show the diagnosis
+  ansible.builtin.debug:
+    var: gpu.diagnosis
+
+- name: Look at two GPUs only, by index and by UUID, without command lines
+  gpuops.fleet.gpu_status:
+    gpus:
+      - 0
+      - GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10
+    cmdline: false
+
+- name: Fail when a GPU is busy (more than 256 MiB beyond the reserved floor)
+  gpuops.fleet.gpu_status:
+    threshold_mib: 256
+  register: gpu
+  failed_when: not gpu.all_free
+
+- name: Mask connection strings too
+  gpuops.fleet.gpu_status:
+    redact:
+      - '://[^:/]+:([^@]+)@'
+"""
+
+RETURN = r"""
+all_free:
+  description: Whether every selected GPU uses at most O(threshold_mib) beyond its reserved floor (NVML v2 C(used)).
+  returned: success
+  type: bool
+  sample: false
+driver_version:
+  description: The NVIDIA driver version NVML reports.
+  returned: success
+  type: str
+  sample: 580.159.04
+in_container:
+  description: Whether the module ran in a child PID namespace (a container); NVML pids are then only partly visible.
+  returned: success
+  type: bool
+  sample: true
+gpus:
+  description: One entry per selected GPU, in NVML order.
+  returned: success
+  type: list
+  elements: dict
+  contains:
+    index:
+      description: NVML index (as numbered where the module runs).
+      type: int
+      sample: 0
+    minor:
+      description: Minor number of the GPU's device node (C(/dev/nvidiaMINOR)).
+      type: int
+      sample: 4
+    uuid:
+      description: GPU UUID.
+      type: str
+      sample: GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10
+    pci_bus_id:
+      description: PCI bus id.
+      type: str
+      sample: 00000000:18:00.0
+    name:
+      description: Product name.
+      type: str
+      sample: NVIDIA H200
+    memory:
+      description: Memory in MiB; C(used) is NVML v2 C(used) (reserved floor left out), C(v1_used_mib) includes the floor.
+      type: dict
+      sample: {"total_mib": 143771, "used_mib": 10240, "reserved_mib": 615, "v1_used_mib": 10855}
+    free:
+      description: Whether C(used_mib) is at most O(threshold_mib).
+      type: bool
+      sample: false
+    holders:
+      description: Pids of the holders pinned to this GPU (they map its device node, or NVML names them here).
+      type: list
+      elements: int
+      sample: [533]
+    clients:
+      description: Pids of NVML clients that have this GPU's device node open but map nothing.
+      type: list
+      elements: int
+      sample: [611]
+    nvml_processes:
+      description:
+        - NVML's process list for this GPU, each with its MiB and how it compares with C(/proc).
+        - C(status) is C(holder), C(client), C(not_holder) (the pid exists here but holds no device node, as with
+          legacy host pids) or C(not_visible) (dead, or, in a container, outside this PID namespace).
+      type: list
+      elements: dict
+      sample: [{"pid": 560, "used_mib": 32768, "status": "not_visible", "matches_holder": false,
+                "note": "not visible here: the process no longer exists"}]
+    unattributed_mib:
+      description: Used MiB that NVML's process list does not account for (hidden processes, leaked memory).
+      type: int
+      sample: 0
+    error:
+      description: What NVML said (or that it hung) for this GPU; null when it answered.
+      type: str
+      sample: null
+holders:
+  description: Every process that maps a C(/dev/nvidia*) node (it has a GPU context), with its details.
+  returned: success
+  type: list
+  elements: dict
+  contains:
+    pid:
+      description: Process id, as seen where the module runs.
+      type: int
+      sample: 533
+    ppid:
+      description: Parent pid.
+      type: int
+      sample: 1
+    name:
+      description: Process name (comm).
+      type: str
+      sample: python3
+    user:
+      description: User name of the real uid.
+      type: str
+      sample: root
+    create_time:
+      description: Start time, seconds since the epoch.
+      type: float
+      sample: 1764430000.12
+    state:
+      description: State letter of the process (C(Z) for a defunct leader).
+      type: str
+      sample: Z
+    thread_states:
+      description: Count of threads per state letter.
+      type: dict
+      sample: {"Z": 1, "S": 18}
+    defunct_leader:
+      description: Whether the thread-group leader has exited while other threads live on (they hold the GPU).
+      type: bool
+      sample: true
+    live_threads:
+      description: Live threads of a defunct leader; null otherwise.
+      type: int
+      sample: 18
+    blocked_threads:
+      description: Threads in C(D) state, with their wchan and kernel stack where readable.
+      type: list
+      elements: dict
+      sample: [{"tid": 812, "comm": "python3", "wchan": "__refrigerator", "stack": null}]
+    via:
+      description: How it holds the devices; C(fd), C(mmap), or C(task) (read through a live thread of a defunct leader).
+      type: list
+      elements: str
+      sample: [fd, mmap]
+    fd_devices:
+      description: Device files it has open.
+      type: list
+      elements: str
+      sample: [/dev/nvidia-uvm, /dev/nvidia0, /dev/nvidiactl]
+    mapped_devices:
+      description: Device files it maps.
+      type: list
+      elements: str
+      sample: [/dev/nvidia-uvm, /dev/nvidia0, /dev/nvidiactl]
+    gpus:
+      description: NVML indexes of the GPUs whose device node it maps.
+      type: list
+      elements: int
+      sample: [0]
+    unattributed:
+      description: True when it maps only C(nvidiactl)/C(nvidia-uvm); it holds a context on some GPU (all GPUs, unattributed).
+      type: bool
+      sample: false
+    gpu_minors:
+      description: Minor numbers of the C(/dev/nvidiaN) nodes it maps.
+      type: list
+      elements: int
+      sample: [2]
+    fd_gpu_minors:
+      description: Minor numbers of the C(/dev/nvidiaN) nodes it has open.
+      type: list
+      elements: int
+      sample: [2]
+    nvml_named_on:
+      description: NVML indexes of the selected GPUs whose NVML process list names this pid.
+      type: list
+      elements: int
+      sample: [2]
+    holder:
+      description: True for a holder (it maps a device node), false for a client.
+      type: bool
+      sample: true
+    thread_count:
+      description: Number of threads (the C(Z) leader of a defunct process included).
+      type: int
+      sample: 19
+    starttime_ticks:
+      description: Start time in clock ticks since boot (field 22 of C(/proc/PID/stat)); guards signals against pid reuse.
+      type: int
+      sample: 222746
+    names:
+      description: The names it goes by (comm, basename of argv[0], basename of the executable).
+      type: list
+      elements: str
+      sample: [python, python3.11]
+    protected_name:
+      description: The built-in protected name it matches (gpu_release never signals it), or null.
+      type: str
+      sample: null
+    nspid:
+      description: The C(NSpid) line of C(/proc/PID/status) (pid in each nested PID namespace).
+      type: list
+      elements: int
+      sample: [533]
+    cgroup:
+      description: The process's cgroup (v2 path).
+      type: str
+      sample: /lxc/101/ns/system.slice/sglang.service
+    parent_name:
+      description: The parent's name.
+      type: str
+      sample: bash
+    cmdline:
+      description: Command line with secrets masked; null when O(cmdline=false).
+      type: str
+      sample: python3 serve.py --api-key ********
+clients:
+  description: Processes that have C(/dev/nvidia*) files open but map none (NVML clients such as monitors); same fields as RO(holders).
+  returned: success
+  type: list
+  elements: dict
+  sample: [{"pid": 611, "name": "nvidia-smi", "fd_devices": ["/dev/nvidia0", "/dev/nvidiactl"], "mapped_devices": []}]
+zombies:
+  description: One-thread zombies (they hold nothing), with the parent that has not reaped them.
+  returned: success
+  type: list
+  elements: dict
+  sample: [{"pid": 601, "name": "python3", "ppid": 600, "parent_name": "python3", "holds": []}]
+holders_unattributed:
+  description: Pids of holders whose context cannot be pinned to one GPU.
+  returned: success
+  type: list
+  elements: int
+  sample: []
+diagnosis:
+  description: Plain sentences, one per finding, each naming the pid and the remedy.
+  returned: always
+  type: list
+  elements: str
+  sample:
+    - pid 533 (python3) is a defunct leader with 18 live threads holding /dev/nvidia0; SIGKILL to 533 frees it; fuser does not see it
+    - GPU 1 (minor 1) 3.9 GiB is used by no process visible here; look from the node
+"""
+
+import traceback
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
+    GPU_COMMON_ARGS, Engine, missing_lib_message,
+)
+from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
+    HAS_PYNVML, PYNVML_IMPORT_ERROR, Nvml, NvmlFailure,
+)
+from ansible_collections.gpuops.fleet.plugins.module_utils._redact import compile_patterns
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import HAS_PSUTIL, PSUTIL_IMPORT_ERROR
+from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
+
+
+def check_common(module):
+    """Validate shared options and libraries; returns compiled redact patterns."""
+    params = module.params
+    if params["threshold_mib"] < 0:
+        module.fail_json(msg="threshold_mib must be 0 or more, got %s" % params["threshold_mib"])
+    if params["nvml_timeout"] <= 0:
+        module.fail_json(msg="nvml_timeout must be more than 0, got %s" % params["nvml_timeout"])
+    try:
+        patterns = compile_patterns(params["redact"])
+    except ValueError as exc:
+        module.fail_json(msg=str(exc))
+    if not HAS_PSUTIL:
+        module.fail_json(msg=missing_lib_message("psutil", "psutil"), exception=repr(PSUTIL_IMPORT_ERROR))
+    if not HAS_PYNVML:
+        module.fail_json(msg=missing_lib_message("nvidia-ml-py", "pynvml"), exception=repr(PYNVML_IMPORT_ERROR))
+    return patterns
+
+
+def start_engine(module, patterns):
+    params = module.params
+    nvml = Nvml(timeout=params["nvml_timeout"])
+    engine = Engine(nvml, redact_patterns=patterns, with_cmdline=params["cmdline"],
+                    threshold_mib=params["threshold_mib"])
+    try:
+        engine.start()
+    except NvmlFailure as exc:
+        module.fail_json(msg="NVML cannot be used on this host: %s" % exc.message, diagnosis=[exc.message])
+    try:
+        targets = engine.select(params["gpus"])
+    except SelectorError as exc:
+        nvml.shutdown()
+        module.fail_json(msg=str(exc))
+    return engine, targets
+
+
+def main():
+    module = AnsibleModule(argument_spec=dict(GPU_COMMON_ARGS), supports_check_mode=True)
+    patterns = check_common(module)
+    engine, targets = start_engine(module, patterns)
+    try:
+        report = engine.snapshot(targets)
+    except Exception as exc:
+        engine.nvml.shutdown()
+        module.fail_json(msg="gpu_status failed: %s" % exc, exception=traceback.format_exc())
+    engine.nvml.shutdown()
+    result = report.as_dict()
+    errors = report.errors
+    if errors:
+        msg = "; ".join("GPU %s%s: %s" % (g["index"], " (%s)" % g["uuid"] if g.get("uuid") else "", g["error"])
+                        for g in errors)
+        module.fail_json(msg=msg, changed=False, **result)
+    module.exit_json(changed=False, **result)
+
+
+if __name__ == "__main__":
+    main()

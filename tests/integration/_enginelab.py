@@ -1,0 +1,177 @@
+"""Lab helpers for the gpu_status and gpu_release integration tests.
+
+A real lab (tests/lab/labctl) and real ansible-playbook through gpuops.fleet.pct.
+Tests assert the truth from `labctl gpus`, `labctl run` and the host's /proc,
+never only the module's word.
+"""
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
+VENV_BIN = os.path.join(REPO, ".venv", "bin")
+if not os.path.exists(os.path.join(VENV_BIN, "ansible-playbook")):
+    VENV_BIN = os.path.dirname(os.path.abspath(sys.executable))
+
+
+def host_alive(pid):
+    """True while the host pid exists and is not a one-thread zombie."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return False
+    return not (fields[0] in ("Z", "X") and int(fields[17]) <= 1)
+
+
+class Play(object):
+    def __init__(self, rc, result, output, seconds):
+        self.rc = rc
+        self.result = result or {}
+        self.output = output
+        self.seconds = seconds
+
+    @property
+    def failed(self):
+        return self.rc != 0
+
+    def __getitem__(self, key):
+        return self.result[key]
+
+    def get(self, key, default=None):
+        return self.result.get(key, default)
+
+    def __repr__(self):
+        return "Play(rc=%d, result=%s)\n%s" % (self.rc, json.dumps(self.result, indent=1)[:6000], self.output[-3000:])
+
+
+class EngineLab(object):
+    """One lab for one test module; `up_args` as for `labctl up`."""
+
+    def __init__(self, lab_id, up_args):
+        self.lab_id = lab_id
+        self.env = dict(os.environ, LAB_ID=lab_id, LAB_PCT_DELAY="0.05", ANSIBLE_NOCOLOR="1",
+                        ANSIBLE_DEPRECATION_WARNINGS="False")
+        # labctl run passes PATH into containers: keep the controller venv out (its supervisorctl is not the lab's)
+        self.env["PATH"] = os.pathsep.join(p for p in os.environ.get("PATH", "/usr/bin:/bin").split(os.pathsep)
+                                           if p and os.path.abspath(p) != os.path.join(REPO, ".venv", "bin"))
+        self.workdir = tempfile.mkdtemp(prefix="gpuops-engine-%s-" % lab_id)
+        self.started = []        # labctl run results, for clean-up
+        self.labctl("down", parse=False, check=False)
+        self.labctl("up", *up_args)
+        self.inventory = self.labctl("inventory", parse=False)
+        self.count = 0
+
+    # ---- lab
+    def labctl(self, *args, parse=True, check=True, timeout=300):
+        proc = subprocess.run([LABCTL] + [str(a) for a in args], env=self.env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, universal_newlines=True, timeout=timeout, check=False)
+        if check and proc.returncode:
+            command = " ".join(str(a) for a in args)
+            detail = (proc.stderr or proc.stdout).strip()
+            raise AssertionError("labctl %s failed (%d): %s" % (command, proc.returncode, detail))
+        out = proc.stdout.strip()
+        return json.loads(out.splitlines()[-1]) if parse else out
+
+    def run(self, scenario, vmid, gpus=(), mib=512, node="pve1", extra=()):
+        args = ["run", scenario, "--node", node, "--vmid", vmid]
+        if gpus:
+            args += ["--gpus", ",".join(str(g) for g in gpus)]
+        if scenario not in ("monitor", "bystander_cpu"):
+            args += ["--mib", mib]
+        result = self.labctl(*(args + list(extra)))
+        result["_node"], result["_vmid"] = node, vmid
+        self.started.append(result)
+        return result
+
+    def truth(self, node="pve1"):
+        """minor -> the fake driver's entry for that GPU."""
+        return dict((g["minor"], g) for g in self.labctl("gpus", "--node", node))
+
+    def used(self, minor, node="pve1"):
+        return self.truth(node)[minor]["used_mib"]
+
+    def exec(self, vmid, *cmd, node="pve1"):
+        return subprocess.run([LABCTL, "exec", "--node", node, "--vmid", str(vmid), "--"] + list(cmd), env=self.env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=60,
+                              check=False)
+
+    def cleanup(self, node="pve1"):
+        """Kill what tests started, stop respawning programs, reset leaked GPUs; the lab stays up."""
+        for result in self.started:
+            if result.get("supervisor_program"):
+                self.exec(result["_vmid"], "supervisorctl", "stop", result["supervisor_program"], node=result["_node"])
+                self.exec(result["_vmid"], "rm", "-f", result["supervisor_conf"], node=result["_node"])
+                self.exec(result["_vmid"], "supervisorctl", "update", node=result["_node"])
+            if result.get("freezer"):
+                self.labctl("restart", "--node", result["_node"], "--vmid", result["_vmid"])
+                self.wait_supervisord(result["_vmid"], result["_node"])
+        for result in self.started:
+            for pid in result.get("host_pids", []) + list(result.get("roles", {}).values()):
+                if result.get("roles", {}).get("supervisord") == pid:
+                    continue
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except OSError:
+                    pass
+        self.started = []
+        deadline = time.monotonic() + 10
+        while True:
+            busy = [g for g in self.labctl("gpus", "--node", node) if g["used_mib"]]
+            if not busy or time.monotonic() > deadline:
+                break
+            for gpu in busy:
+                if not gpu["holders"] and gpu["visible_in"]:
+                    vmid, index = sorted(gpu["visible_in"].items())[0]
+                    self.exec(vmid, "nvidia-smi", "--gpu-reset", "-i", str(index), node=node)
+            time.sleep(0.2)
+        return busy
+
+    def wait_supervisord(self, vmid, node="pve1", timeout=15):
+        """After a container restart, wait until its supervisord answers."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.exec(vmid, "supervisorctl", "pid", node=node).stdout.strip().isdigit():
+                return
+            time.sleep(0.2)
+        raise AssertionError("supervisord in %s did not come back within %ss" % (vmid, timeout))
+
+    def down(self):
+        self.labctl("down", parse=False, check=False)
+
+    # ---- ansible
+    def play(self, host, module, args=None, check_mode=False, extra_env=None, background=False, task_extra=None):
+        """Run one module task with ansible-playbook; returns Play (result from the tree callback)."""
+        self.count += 1
+        tag = "%s-%d" % (host, self.count)
+        tree = os.path.join(self.workdir, "tree-" + tag)
+        book = os.path.join(self.workdir, "play-%s.yml" % tag)
+        task = {"name": "module under test", "gpuops.fleet." + module: args or {}}
+        if check_mode:
+            task["check_mode"] = True
+        task.update(task_extra or {})
+        with open(book, "w") as f:
+            json.dump([{"hosts": host, "gather_facts": False, "tasks": [task]}], f)
+        env = dict(self.env, ANSIBLE_CALLBACKS_ENABLED="ansible.builtin.tree", ANSIBLE_CALLBACK_TREE_DIR=tree)
+        env.update(extra_env or {})
+        cmd = [os.path.join(VENV_BIN, "ansible-playbook"), "-i", self.inventory, book]
+        started = time.monotonic()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                universal_newlines=True)
+
+        def finish():
+            output = proc.communicate(timeout=240)[0]
+            result = None
+            path = os.path.join(tree, host)
+            if os.path.exists(path):
+                with open(path) as f:
+                    result = json.load(f)
+            return Play(proc.returncode, result, output, time.monotonic() - started)
+        if background:
+            return finish
+        return finish()

@@ -1,0 +1,429 @@
+"""gpuops.fleet.pct against a lab Proxmox node: real sshd, real ssh, real ansible-playbook.
+
+One lab (LAB_ID=conn01 unless PCT_TEST_LAB_ID says otherwise): nodes pve1 (containers 101, 102)
+and pve2 (201, 202). Container-side files go to the container's private /tmp (a tmpfs of its own).
+"""
+import hashlib
+import json
+import os
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import warnings
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from ansible.errors import AnsibleConnectionFailure
+from ansible.playbook.play_context import PlayContext
+from ansible.plugins.loader import connection_loader, init_plugin_loader
+
+with warnings.catch_warnings():  # another test module may have set the collection loader up already
+    warnings.simplefilter('ignore', UserWarning)
+    init_plugin_loader()
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LABCTL = os.path.join(REPO, 'tests', 'lab', 'labctl')
+VENV_BIN = os.path.dirname(os.path.abspath(sys.executable))
+PLAYBOOK = os.path.join(VENV_BIN, 'ansible-playbook')
+LAB_ID = os.environ.get('PCT_TEST_LAB_ID', 'conn01')
+BIG = 50 * 1000 * 1000
+ODD_NAME = "dir with space/ünïcödé 'q' \"dq\" $(echo x) *.bin"
+PIPELINING = [pytest.param(True, id='pipelining'), pytest.param(False, id='no-pipelining')]
+
+
+class Lab:
+    """What the tests need from `labctl up` and its inventory."""
+
+    def __init__(self, workdir):
+        self.env = dict(os.environ, LAB_ID=LAB_ID, LAB_PCT_DELAY='0.1')
+        self.workdir = workdir
+        subprocess.run([LABCTL, 'up', '--nodes', '2', '--containers', '2', '--gpus', '1'], env=self.env,
+                       check=True, stdout=subprocess.DEVNULL, timeout=300)
+        self.inventory = subprocess.run([LABCTL, 'inventory'], env=self.env, check=True, capture_output=True,
+                                        text=True).stdout.strip()
+        with open(self.inventory) as f:
+            groups = yaml.safe_load(f)['all']['children']
+        self.cts = groups['gpu_containers']['hosts']
+        self.nodes = {name: node['ansible_host'] for name, node in groups['pve_nodes']['hosts'].items()}
+        self.ct = self.cts['ct101']
+        self.node = self.ct['ansible_host']
+        self.node_name = self.ct['lab_node']
+        self.state = os.path.dirname(self.inventory)
+        self.key = self.ct['ansible_ssh_private_key_file']
+        self.known_hosts = os.path.join(self.state, 'ssh', 'known_hosts')
+        self.sshd_log = os.path.join(self.state, 'nodes', self.node_name, 'sshd.log')
+        self.cp_dir = os.path.join(workdir, 'cp')
+        os.makedirs(self.cp_dir)
+
+    def node_ssh(self, command):
+        """Run a command on the node itself (not in a container)."""
+        return subprocess.run(['ssh', '-i', self.key, '-o', 'UserKnownHostsFile=' + self.known_hosts,
+                               '-o', 'BatchMode=yes', '-o', 'ControlPath=none', 'root@' + self.node, command],
+                              capture_output=True, text=True, timeout=60, check=False)
+
+    def accepted_connections(self):
+        with open(self.sshd_log, errors='replace') as f:
+            return f.read().count('Accepted publickey')
+
+    def close_masters(self):
+        for name in os.listdir(self.cp_dir):
+            path = os.path.join(self.cp_dir, name)
+            if not name.endswith('.lock'):
+                subprocess.run(['ssh', '-o', 'ControlPath=' + path, '-O', 'exit', 'x'], capture_output=True,
+                               timeout=30, check=False)
+
+    def down(self):
+        self.close_masters()
+        subprocess.run([LABCTL, 'down'], env=self.env, stdout=subprocess.DEVNULL, timeout=300, check=False)
+
+
+@pytest.fixture(scope='module')
+def lab():
+    workdir = tempfile.mkdtemp(prefix='gpuops-pct-test-')
+    instance = None
+    try:
+        instance = Lab(workdir)
+        yield instance
+    finally:
+        if instance is not None:
+            instance.down()
+        else:
+            subprocess.run([LABCTL, 'down'], env=dict(os.environ, LAB_ID=LAB_ID), stdout=subprocess.DEVNULL,
+                           check=False)
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def run_play(lab, tasks, *, pipelining=True, hosts='ct101', extra_vars=None, inventory=None, verbose=False,
+             forks=5, cp_dir=None):
+    """ansible-playbook on one play; returns (rc, output, results saved by `save` tasks)."""
+    out_dir = tempfile.mkdtemp(dir=lab.workdir)
+    play = [{
+        'name': 'pct connection test', 'hosts': hosts, 'gather_facts': False,
+        'vars': {'out_dir': out_dir, 'ansible_remote_tmp': '/tmp/.ansible/tmp',
+                 'ansible_system_tmpdirs': ['/tmp']},
+        'tasks': tasks,
+    }]
+    play_path = os.path.join(out_dir, 'play.yml')
+    with open(play_path, 'w') as f:
+        yaml.safe_dump(play, f, allow_unicode=True)
+    cmd = [PLAYBOOK, '-i', inventory or lab.inventory, '-f', str(forks), play_path]
+    for key, value in (extra_vars or {}).items():
+        cmd += ['-e', json.dumps({key: value})]
+    if verbose:
+        cmd.append('-vvv')
+    env = dict(os.environ, ANSIBLE_PIPELINING=str(pipelining), ANSIBLE_SSH_CONTROL_PATH_DIR=cp_dir or lab.cp_dir,
+               ANSIBLE_NOCOLOR='1', ANSIBLE_RETRY_FILES_ENABLED='0', ANSIBLE_LOCAL_TEMP=os.path.join(out_dir, 'tmp'),
+               PATH=VENV_BIN + os.pathsep + os.environ.get('PATH', ''))
+    env.pop('ANSIBLE_CONFIG', None)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out_dir, check=False)
+    results = {}
+    for name in os.listdir(out_dir):
+        if name.endswith('.json'):
+            with open(os.path.join(out_dir, name)) as f:
+                results[name[:-5]] = json.load(f)
+    return proc.returncode, proc.stdout + proc.stderr, results
+
+
+def save(expression):
+    """A task that writes {{ expression }} as JSON on the controller, one file per host."""
+    return {'name': 'Save results', 'delegate_to': 'localhost',
+            'ansible.builtin.copy': {'content': '{{ %s | to_json }}' % expression,
+                                     'dest': '{{ out_dir }}/{{ inventory_hostname }}.json', 'mode': '0600'}}
+
+
+def sha1(path):
+    digest = hashlib.sha1()
+    with open(path, 'rb') as f:
+        for block in iter(lambda: f.read(1 << 20), b''):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# -- exec -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('pipelining', PIPELINING)
+def test_raw_command_and_module_run_inside_the_container(lab, pipelining):
+    tasks = [
+        {'ansible.builtin.raw': 'cat /proc/self/cgroup; echo "sum=$((6*7))"; hostname', 'register': 'raw',
+         'changed_when': False},
+        {'ansible.builtin.command': {'argv': ['printf', '%s|', 'a b', '$(id)', '*', "it's", 'ü\nnewline']},
+         'register': 'cmd', 'changed_when': False},
+        {'ansible.builtin.command': 'cat /proc/self/cgroup', 'register': 'cgroup', 'changed_when': False},
+        {'ansible.builtin.stat': {'path': '/proc/1/comm'}, 'register': 'st'},
+        save("{'raw': raw.stdout, 'cmd': cmd.stdout, 'cgroup': cgroup.stdout, 'st': st.stat.exists}"),
+    ]
+    rc, out, results = run_play(lab, tasks, pipelining=pipelining)
+    assert rc == 0, out
+    got = results['ct101']
+    assert '/lxc/101/ns' in got['raw'] and 'sum=42' in got['raw'] and 'ct101' in got['raw']
+    assert got['cmd'] == "a b|$(id)|*|it's|ü\nnewline|"
+    assert '/lxc/101/ns' in got['cgroup']
+    assert got['st'] is True
+
+
+def test_pipelining_costs_one_pct_exec_per_module_task(lab):
+    tasks = [{'ansible.builtin.ping': None}, {'ansible.builtin.ping': None}, {'ansible.builtin.ping': None}]
+    rc, out, dummy = run_play(lab, tasks, pipelining=True, verbose=True)
+    assert rc == 0, out
+    runs = [line for line in out.splitlines() if 'SSH: EXEC' in line or 'SSH: STREAM' in line]
+    assert len(runs) == 3, '\n'.join(runs)
+    assert all('pct exec 101 --' in line for line in runs)
+
+
+@pytest.mark.parametrize('pipelining', PIPELINING)
+def test_become_inside_the_container(lab, pipelining):
+    tasks = [
+        {'ansible.builtin.command': 'id -un', 'register': 'su_user', 'changed_when': False, 'become': True,
+         'become_user': 'nobody', 'become_method': 'ansible.builtin.su', 'become_flags': '-s /bin/sh'},
+        {'ansible.builtin.stat': {'path': '/proc/self', 'follow': True}, 'register': 'as_nobody', 'become': True,
+         'become_user': 'nobody', 'become_method': 'ansible.builtin.su', 'become_flags': '-s /bin/sh'},
+        {'ansible.builtin.command': 'id -un', 'register': 'plain', 'changed_when': False},
+    ]
+    keys = "'su': su_user.stdout, 'plain': plain.stdout, 'stat_uid': as_nobody.stat.uid"
+    if shutil.which('sudo'):
+        tasks.append({'ansible.builtin.command': 'id -un', 'register': 'sudo_user', 'changed_when': False,
+                      'become': True, 'become_user': 'nobody', 'become_method': 'ansible.builtin.sudo'})
+        keys += ", 'sudo': sudo_user.stdout"
+    tasks.append(save('{%s}' % keys))
+    rc, out, results = run_play(lab, tasks, pipelining=pipelining)
+    assert rc == 0, out
+    got = results['ct101']
+    assert got['su'] == 'nobody' and got['plain'] == 'root'
+    assert got['stat_uid'] == 65534  # /proc/self of the module's own process
+    if 'sudo' in got:
+        assert got['sudo'] == 'nobody'
+
+
+def test_node_become_runs_pct_through_sudo(lab):
+    """root on the node with node_become: the same pct call, through `sudo -n --`."""
+    tasks = [{'ansible.builtin.command': 'cat /proc/self/cgroup', 'register': 'cg', 'changed_when': False},
+             save("{'cgroup': cg.stdout}")]
+    rc, out, results = run_play(lab, tasks, verbose=True, extra_vars={'pct_node_become': True})
+    node_has_sudo = lab.node_ssh('command -v sudo').returncode == 0
+    if node_has_sudo:
+        assert rc == 0, out
+        assert '/lxc/101/ns' in results['ct101']['cgroup']
+        assert "sudo -n -- /usr/sbin/pct exec 101 --" in out
+    else:
+        assert rc != 0
+        assert_one_clear_line(out, 'ct101', 'node_become: sudo is not installed on node')
+
+
+# -- files ------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope='module')
+def big_file(lab):
+    path = os.path.join(lab.workdir, 'big.bin')
+    with open(path, 'wb') as f:
+        for dummy in range(BIG // 1000000):
+            f.write(os.urandom(1000000))
+    return path
+
+
+@pytest.mark.parametrize('pipelining', PIPELINING)
+def test_copy_and_fetch_50mb_and_odd_names(lab, big_file, pipelining):
+    dest = '/tmp/pct-test/' + ODD_NAME
+    fetched_dir = tempfile.mkdtemp(dir=lab.workdir)
+    small = os.path.join(lab.workdir, 'ünï small.txt')
+    with open(small, 'w') as f:
+        f.write('small file ü\n')
+    tasks = [
+        {'ansible.builtin.file': {'path': os.path.dirname(dest), 'state': 'directory', 'mode': '0755'}},
+        {'ansible.builtin.copy': {'src': big_file, 'dest': dest, 'mode': '0600'}},
+        {'ansible.builtin.copy': {'src': small, 'dest': '/tmp/pct-test/ünï small.txt', 'mode': '0644'}},
+        {'ansible.builtin.stat': {'path': dest, 'checksum_algorithm': 'sha1'}, 'register': 'remote'},
+        {'ansible.builtin.fetch': {'src': dest, 'dest': fetched_dir + '/', 'flat': True}},
+        {'ansible.builtin.fetch': {'src': '/tmp/pct-test/ünï small.txt', 'dest': fetched_dir + '/', 'flat': True}},
+        {'ansible.builtin.file': {'path': '/tmp/pct-test', 'state': 'absent'}},
+        save("{'sha1': remote.stat.checksum, 'size': remote.stat.size}"),
+    ]
+    rc, out, results = run_play(lab, tasks, pipelining=pipelining)
+    assert rc == 0, out
+    expected = sha1(big_file)
+    assert results['ct101'] == {'sha1': expected, 'size': BIG}
+    assert sha1(os.path.join(fetched_dir, os.path.basename(dest))) == expected
+    with open(os.path.join(fetched_dir, 'ünï small.txt')) as f:
+        assert f.read() == 'small file ü\n'
+
+
+# -- errors -----------------------------------------------------------------------------------------
+
+def assert_one_clear_line(out, host, text):
+    lines = [line for line in out.splitlines() if line.startswith('fatal: [%s]' % host)]
+    assert lines, out
+    assert 'UNREACHABLE' in lines[0] and text in lines[0], lines[0]
+    assert 'Traceback' not in out
+
+
+def test_stopped_container(lab):
+    stopped = lab.node_ssh('pct stop 102')
+    assert stopped.returncode == 0, stopped.stderr
+    try:
+        for pipelining, task in ((True, {'ansible.builtin.ping': None}), (False, {'ansible.builtin.raw': 'true'})):
+            rc, out, dummy = run_play(lab, [task], hosts='ct102', pipelining=pipelining)
+            assert rc != 0
+            assert_one_clear_line(out, 'ct102', "container '102' not running!")
+        rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], hosts='ct102',
+                                  extra_vars={'pct_exec_method': 'lxc-attach'})
+        assert rc != 0
+        assert_one_clear_line(out, 'ct102', 'lxc-attach could not enter container 102')
+    finally:
+        lab.node_ssh('pct start 102')
+
+
+def test_container_on_another_node(lab):
+    # ct201 lives on pve2; an inventory that still puts it on pve1 gets pct's refusal, explained.
+    rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], hosts='ct201',
+                              extra_vars={'ansible_host': lab.nodes['pve1']})
+    assert rc != 0
+    assert_one_clear_line(out, 'ct201', 'container 201 is not on node pve1 (%s)' % lab.nodes['pve1'])
+    assert 'inventory that tracks nodes' in out
+
+
+def test_missing_pct(lab):
+    rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], extra_vars={'pct_executable': '/usr/sbin/pct-gone'})
+    assert rc != 0
+    assert_one_clear_line(out, 'ct101', '/usr/sbin/pct-gone not found on node')
+
+
+def test_bad_key(lab):
+    key = os.path.join(lab.workdir, 'stranger_key')
+    if not os.path.exists(key):
+        subprocess.run(['ssh-keygen', '-q', '-t', 'ed25519', '-N', '', '-f', key], check=True)
+    cp_dir = tempfile.mkdtemp(dir=lab.workdir)
+    rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], cp_dir=cp_dir,
+                              extra_vars={'ansible_ssh_private_key_file': key})
+    assert rc != 0
+    assert_one_clear_line(out, 'ct101', 'SSH authentication to node root@%s failed (Permission denied' % lab.node)
+
+
+def test_host_key_mismatch_and_checking_stays_on(lab):
+    wrong = os.path.join(lab.workdir, 'wrong_hostkey')
+    if not os.path.exists(wrong):
+        subprocess.run(['ssh-keygen', '-q', '-t', 'ed25519', '-N', '', '-f', wrong], check=True)
+    with open(wrong + '.pub') as f:
+        key_type, key_b64 = f.read().split()[:2]
+    known = os.path.join(lab.workdir, 'known_hosts_wrong')
+    with open(known, 'w') as f:
+        f.write('%s %s %s\n' % (lab.node, key_type, key_b64))
+    empty = os.path.join(lab.workdir, 'known_hosts_empty')
+    open(empty, 'w').close()
+    for known_hosts, text in ((known, 'does not match known_hosts'), (empty, 'not in known_hosts')):
+        cp_dir = tempfile.mkdtemp(dir=lab.workdir)
+        rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], cp_dir=cp_dir, extra_vars={
+            'ansible_ssh_common_args': '-o UserKnownHostsFile=%s -o IdentitiesOnly=yes' % known_hosts})
+        assert rc != 0
+        assert_one_clear_line(out, 'ct101', text)
+        assert 'Host key checking stays on' in out
+
+
+# -- one SSH connection per node ----------------------------------------------------------------------
+
+@pytest.mark.parametrize('forks', [1, 2])
+def test_containers_of_one_node_share_one_ssh_connection(lab, forks):
+    cp_dir = tempfile.mkdtemp(dir=lab.workdir)
+    before = lab.accepted_connections()
+    tasks = [{'ansible.builtin.ping': None}, {'ansible.builtin.raw': 'true', 'changed_when': False}]
+    rc, out, dummy = run_play(lab, tasks, hosts='ct101:ct102', forks=forks, cp_dir=cp_dir)  # both on pve1
+    assert rc == 0, out
+    assert out.count('ok=2') == 2
+    time.sleep(0.2)
+    assert lab.accepted_connections() - before == 1
+    sockets = [name for name in os.listdir(cp_dir) if not name.endswith('.lock')]
+    assert len(sockets) == 1
+    subprocess.run(['ssh', '-o', 'ControlPath=' + os.path.join(cp_dir, sockets[0]), '-O', 'exit', 'x'],
+                   capture_output=True, timeout=30, check=False)
+
+
+# -- quoting, proven -----------------------------------------------------------------------------------
+
+def plugin_connection(lab, **variables):
+    conn = connection_loader.get('gpuops.fleet.pct', PlayContext())
+    options = dict(lab.ct, ansible_control_path_dir=lab.cp_dir)
+    options.update(variables)
+    conn.set_options(var_options=options)
+    return conn
+
+
+ARGS = st.lists(st.text(alphabet=st.characters(blacklist_categories=('Cs',), blacklist_characters='\x00'),
+                        max_size=24) | st.sampled_from(["'", '"', '$(id)', '`id`', '*', '\n', '\\', '$HOME', '-e',
+                                                        "'\"'", '~', ';', '&&', '|', '#', ' ']),
+                min_size=0, max_size=6)
+PROPERTY = settings(max_examples=int(os.environ.get('PCT_PROPERTY_EXAMPLES', '40')), deadline=None,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+
+
+def argv_seen_in_container(conn, args):
+    """The argv that a process in the container got, read back NUL-separated."""
+    cmd = "printf '%s\\0' " + ' '.join(shlex.quote(a) for a in args) if args else 'true'
+    rc, out, err = conn.exec_command(cmd, sudoable=False)
+    assert rc == 0, err
+    return [part.decode('utf-8') for part in out.split(b'\0')[:-1]]
+
+
+@PROPERTY
+@given(args=ARGS)
+def test_any_argv_reaches_the_container_unchanged(lab, args):
+    assert argv_seen_in_container(plugin_connection(lab), args) == args
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(args=ARGS)
+def test_any_argv_reaches_the_container_unchanged_lxc_attach(lab, args):
+    assert argv_seen_in_container(plugin_connection(lab, pct_exec_method='lxc-attach'), args) == args
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.text(alphabet=st.characters(blacklist_categories=('Cs',), blacklist_characters='\x00/'),
+                    min_size=1, max_size=30).filter(lambda n: n not in ('.', '..')),
+       data=st.binary(max_size=4096))
+def test_any_file_name_and_content_round_trip(lab, name, data):
+    conn = plugin_connection(lab)
+    local = os.path.join(lab.workdir, 'prop-src')
+    back = os.path.join(lab.workdir, 'prop-back')
+    with open(local, 'wb') as f:
+        f.write(data)
+    remote = '/tmp/' + name
+    try:
+        conn.put_file(local, remote)
+        conn.fetch_file(remote, back)
+        with open(back, 'rb') as f:
+            assert f.read() == data
+    finally:
+        conn.exec_command('rm -f -- %s' % shlex.quote(remote), sudoable=False)
+
+
+def test_plugin_api_reports_a_stopped_container(lab):
+    stopped = lab.node_ssh('pct stop 102')
+    assert stopped.returncode == 0, stopped.stderr
+    try:
+        conn = plugin_connection(lab, pct_vmid=102)
+        with pytest.raises(AnsibleConnectionFailure, match=re.escape("container '102' not running!")):
+            conn.exec_command('true', sudoable=False)
+    finally:
+        lab.node_ssh('pct start 102')
+
+
+def test_command_timeout_stops_the_command_in_the_container(lab):
+    conn = plugin_connection(lab, pct_command_timeout=1)
+    start = time.monotonic()
+    rc, dummy, dummy2 = conn.exec_command('sleep 30', sudoable=False)
+    assert rc == 124
+    assert time.monotonic() - start < 10
+    rc, out, dummy = conn.exec_command('ps -eo args', sudoable=False)
+    assert b'sleep 30' not in out
+
+
+def test_lab_pct_shape_is_what_the_plugin_expects(lab):
+    """Guard: the lab node answers like Proxmox for a vmid it does not host."""
+    result = lab.node_ssh('pct exec 999 -- true')
+    assert result.returncode == 255
+    assert textwrap.dedent(result.stderr).strip() == \
+        "Configuration file 'nodes/%s/lxc/999.conf' does not exist" % lab.node_name

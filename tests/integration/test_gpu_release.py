@@ -1,0 +1,216 @@
+"""gpu_release against the lab, through ansible-playbook and gpuops.fleet.pct (issue 4).
+
+Every assertion about freeing is checked against `labctl gpus` (the fake driver's truth)
+and the host's /proc, not only against what the module says.
+"""
+import os
+import signal
+
+import pytest
+
+from _enginelab import EngineLab, host_alive
+
+FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
+
+
+@pytest.fixture(scope="module")
+def lab():
+    lab = EngineLab("engrl1", ["--nodes", "1", "--containers", "2", "--gpus", "8", "--layout", "102=4,5,6,7"])
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+@pytest.fixture
+def clean(lab):
+    yield lab
+    busy = lab.cleanup()
+    assert not busy, "GPUs still used after clean-up: %s" % busy
+
+
+def signalled_pids(play):
+    return set(a["pid"] for a in play["actions"] if a["signal"] in ("SIGTERM", "SIGKILL"))
+
+
+def test_every_scenario_released_bystanders_untouched(clean):
+    lab = clean
+    runs = {
+        "plain": lab.run("plain", 101, [0]),
+        "fork": lab.run("fork_inherit", 101, [1]),
+        "defunct": lab.run("defunct_leader", 101, [2]),
+        "mmap": lab.run("mmap_only", 101, [3]),
+        "tp": lab.run("tp_server", 101, [4, 5]),
+        "term": lab.run("term_ignoring", 101, [6]),
+        "zombie": lab.run("zombie", 101, [6]),
+        "monitor": lab.run("monitor", 101),
+        "cpu": lab.run("bystander_cpu", 101),
+        "gpu": lab.run("bystander_gpu", 101, [7]),
+    }
+    os.kill(runs["fork"]["roles"]["parent"], signal.SIGKILL)
+    holders = [p for key in ("plain", "fork", "defunct", "mmap", "tp", "term") for p in runs[key]["holders"]
+               if p != runs["fork"]["roles"]["parent"]]
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0, 1, 2, 3, 4, 5, 6]))
+    assert not play.failed, play
+    truth = lab.truth()
+    assert [truth[m]["used_mib"] for m in range(7)] == [0] * 7
+    assert truth[7]["used_mib"] == 512                      # bystander_gpu's GPU was not targeted
+    assert not [p for p in holders if host_alive(p)]
+    for key in ("monitor", "cpu", "gpu"):
+        assert host_alive(runs[key]["host_pids"][0]), key
+
+    def ct(key, role):
+        return runs[key]["container_roles"][role]
+    never = {ct("monitor", "monitor"), ct("cpu", "bystander"), ct("gpu", "bystander"), ct("zombie", "zombie"),
+             ct("zombie", "parent"), ct("tp", "parent")}
+    assert not never & signalled_pids(play)
+    term = ct("term", "holder")
+    kinds = [(a["signal"], a["outcome"]) for a in play["actions"] if a["pid"] == term]
+    assert kinds == [("SIGTERM", "sent"), ("SIGKILL", "sent")]
+    assert play["rung_reached"] == "sigkill" and play["changed"] is True
+    assert play["released_mib"] == 512 * 7 and play["remaining"] == []
+    assert all(g["free"] for g in play["after"]) and not any(g["free"] for g in play["before"] if g["index"] != 6) \
+        and play["elapsed_s"] < 10
+    again = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0, 1, 2, 3, 4, 5, 6]))
+    assert not again.failed and again["changed"] is False and again["actions"] == []
+    assert again["rung_reached"] == "none"
+
+
+def test_check_mode_signals_nothing(clean):
+    lab = clean
+    run = lab.run("plain", 101, [0])
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0]), check_mode=True)
+    assert not play.failed and play["changed"] is True and play["actions"] == []
+    assert [(p["pid"], p["signals"]) for p in play["plan"]] == [(run["container_holders"][0], ["SIGTERM", "SIGKILL"])]
+    assert host_alive(run["holders"][0]) and lab.used(0) == 512
+
+
+def test_match_excluding_a_holder_fails_honestly(clean):
+    lab = clean
+    keep = lab.run("plain", 101, [0])
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0], match="no-such-job"))
+    assert play.failed and host_alive(keep["holders"][0]) and lab.used(0) == 512
+    assert play["actions"] == []
+    assert play["not_signalled"][0]["pid"] == keep["container_holders"][0]
+    assert "does not match `match`" in play["msg"] and play["msg"].startswith("GPU 0 not free after the ladder")
+
+
+def test_match_selects_among_holders(clean):
+    lab = clean
+    target = lab.run("plain", 101, [0], extra=["--fake-secret"])
+    keep = lab.run("mmap_only", 101, [1])
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0, 1], match="--api-key"))
+    assert play.failed                                   # GPU 1 still held by the excluded holder
+    assert not host_alive(target["holders"][0]) and host_alive(keep["holders"][0])
+    assert lab.used(0) == 0 and lab.used(1) == 512
+    assert signalled_pids(play) == {target["container_holders"][0]}
+
+
+def test_stuck_holder_is_diagnosed_and_reset_refused(clean):
+    lab = clean
+    run = lab.run("stuck", 102, [0])                     # minor 4
+    play = lab.play("ct102", "gpu_release", {"gpus": [0], "term_timeout": 0.5, "kill_timeout": 0.5,
+                                             "verify_timeout": 1.5, "gpu_reset": True})
+    assert play.failed and lab.used(4) == 512 and host_alive(run["holders"][0])
+    assert play["rung_reached"] == "reset"
+    pid = run["container_holders"][0]
+    assert [a["signal"] for a in play["actions"] if a["pid"] == pid] == ["SIGTERM", "SIGKILL"]
+    refused = [a for a in play["actions"] if a["signal"] == "reset"]
+    assert refused and refused[0]["outcome"].startswith("refused: pid %d" % pid)
+    d_state = [line for line in play["diagnosis"] if line.startswith("pid %d (" % pid) and "in D state (wchan " in line]
+    assert d_state and "wchan unknown" not in d_state[0]
+    held = play["remaining"][0]["holders"][0]
+    assert held["pid"] == pid and held["blocked_threads"][0]["wchan"]
+
+
+def test_leaked_memory_needs_a_reset(clean):
+    lab = clean
+    lab.run("leaked", 101, [3], mib=1000)
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[3]))
+    assert play.failed and lab.used(3) == 1000 and play["actions"] == []
+    assert "1000 MiB is used by no process visible here" in play["msg"]
+    assert play["remaining"][0]["unattributed_mib"] == 1000
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[3], gpu_reset=True))
+    assert not play.failed, play
+    assert lab.used(3) == 0 and play["changed"] is True and play["rung_reached"] == "reset"
+    assert [a["outcome"][:4] for a in play["actions"] if a["signal"] == "reset"] == ["done"]
+
+
+def test_respawn_is_detected(clean):
+    lab = clean
+    run = lab.run("respawn", 102, [1])                   # supervisord program on minor 5
+    play = lab.play("ct102", "gpu_release", dict(FAST, gpus=[1]))
+    assert play.failed
+    sup = run["container_roles"]["supervisord"]
+    assert play["msg"].startswith("respawned by pid %d (supervisord): stop the service first" % sup)
+    assert play["respawned"]["parent_pid"] == sup
+    assert run["container_roles"]["holder"] in signalled_pids(play)
+
+
+def test_two_releases_of_one_gpu_do_not_both_signal(clean):
+    lab = clean
+    run = lab.run("term_ignoring", 101, [0])
+    args = {"gpus": [0], "term_timeout": 1.5, "kill_timeout": 2, "verify_timeout": 3}
+    first = lab.play("ct101", "gpu_release", args, background=True)
+    second = lab.play("ct101", "gpu_release", args, background=True)
+    plays = [first(), second()]
+    assert not [p for p in plays if p.failed], plays
+    assert lab.used(0) == 0 and not host_alive(run["holders"][0])
+    acting = [p for p in plays if p["actions"]]
+    assert len(acting) == 1 and sorted(p["changed"] for p in plays) == [False, True]
+    assert [a["signal"] for a in acting[0]["actions"]] == ["SIGTERM", "SIGKILL"]
+
+
+def test_layout_release_by_uuid(clean):
+    lab = clean
+    run = lab.run("plain", 102, [2])                     # minor 6
+    uuid = lab.truth()[6]["uuid"]
+    play = lab.play("ct102", "gpu_release", dict(FAST, gpus=[uuid]))
+    assert not play.failed, play
+    assert lab.used(6) == 0 and not host_alive(run["holders"][0])
+    assert [(g["index"], g["minor"]) for g in play["after"]] == [(2, 6)]
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"gpus": [9]}, ["GPU '9' not found; GPUs here: 0 (minor 4"]),
+    ({"term_timeout": -1}, ["term_timeout must be 0 or more, got -1"]),
+    ({"match": "[unclosed"}, ["match: regular expression '[unclosed' does not compile"]),
+])
+def test_bad_input_fails_before_any_signal(clean, args, words):
+    lab = clean
+    run = lab.run("plain", 102, [0])
+    play = lab.play("ct102", "gpu_release", args)
+    assert play.failed and host_alive(run["holders"][0]) and lab.used(4) == 512
+    for word in words:
+        assert word in play["msg"]
+    assert not play.get("actions")
+
+
+def test_lost_gpu_fails_without_signals(clean):
+    lab = clean
+    run = lab.run("plain", 101, [7])
+    lab.labctl("fault", "--node", "pve1", "--gpu", 7, "--fault", "lost")
+    try:
+        play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[7]))
+    finally:
+        lab.labctl("fault", "--node", "pve1", "--gpu", 7, "--fault", "none")
+    assert play.failed and host_alive(run["holders"][0]) and not play.get("actions")
+    assert "GPU_IS_LOST" in play["msg"] and "nothing was signalled" in play["msg"]
+
+
+def test_overall_timeout_is_enforced_by_the_module(clean):
+    lab = clean
+    run = lab.run("term_ignoring", 101, [0])
+    play = lab.play("ct101", "gpu_release", {"gpus": [0], "term_timeout": 60, "timeout": 2})
+    assert play.failed and "overall timeout was reached during SIGTERM" in play["msg"]
+    assert play["elapsed_s"] < 4 and play.seconds < 30
+    assert [a["signal"] for a in play["actions"]] == ["SIGTERM"]
+    assert host_alive(run["holders"][0])                  # it ignores SIGTERM; the timeout came first
+
+
+def test_release_under_async(clean):
+    lab = clean
+    run = lab.run("plain", 101, [1])
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[1]), task_extra={"async": 60, "poll": 1})
+    assert not play.failed, play
+    assert play["changed"] is True and lab.used(1) == 0 and not host_alive(run["holders"][0])

@@ -1,0 +1,244 @@
+"""gpu_status against the lab, through ansible-playbook and gpuops.fleet.pct (issue 3).
+
+One scene of workloads in ct101 (sees minors 0-7 as indexes 0-7) and ct102 (minors 4-7
+as indexes 0-3) is read once; each test checks one scenario against what `labctl run`
+built and what `labctl gpus` says. Faults and the legacy driver have their own runs.
+"""
+import subprocess
+
+import pytest
+
+from _enginelab import EngineLab, host_alive
+
+
+@pytest.fixture(scope="module")
+def lab():
+    lab = EngineLab("engst1", ["--nodes", "1", "--containers", "3", "--gpus", "8",
+                               "--layout", "102=4,5,6,7", "--bare", "103"])
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+@pytest.fixture(scope="module")
+def scene(lab):
+    s = {
+        "plain": lab.run("plain", 101, [0], mib=1024, extra=["--fake-secret"]),
+        "fork": lab.run("fork_inherit", 101, [1], mib=2048),
+        "defunct": lab.run("defunct_leader", 101, [2], mib=3072),
+        "zombie": lab.run("zombie", 101, [3], mib=512),
+        "mmap": lab.run("mmap_only", 101, [4], mib=768),
+        "tp": lab.run("tp_server", 101, [5, 6], mib=640),
+        "monitor": lab.run("monitor", 101),
+        "cpu": lab.run("bystander_cpu", 101),
+        "ct102": lab.run("plain", 102, [3], mib=4096),     # minor 7, index 3 in ct102
+    }
+    # the dataloader keeps the memory of its dead parent (GPU_FACTS row 5)
+    subprocess.run(["kill", "-9", str(s["fork"]["roles"]["parent"])], check=True)
+    lab.labctl("gpus")  # the driver computes truth on query
+    s["truth"] = lab.truth()
+    s["ct101"] = lab.play("ct101", "gpu_status")
+    s["ct102_status"] = lab.play("ct102", "gpu_status", {"cmdline": False})
+    return s
+
+
+def holder(play, pid):
+    found = [h for h in play["holders"] if h["pid"] == pid]
+    assert found, "pid %s not among holders %s" % (pid, [h["pid"] for h in play["holders"]])
+    return found[0]
+
+
+def gpu(play, index):
+    return [g for g in play["gpus"] if g["index"] == index][0]
+
+
+def test_status_is_read_only_and_matches_driver_truth(scene):
+    play = scene["ct101"]
+    assert play.failed is False and play["changed"] is False, play
+    assert play["in_container"] is True and play["driver_version"]
+    for entry in play["gpus"]:
+        truth = scene["truth"][entry["minor"]]
+        assert entry["memory"]["used_mib"] == truth["used_mib"]
+        assert entry["memory"]["v1_used_mib"] == truth["used_mib"] + 615
+        assert entry["free"] == (truth["used_mib"] <= 64)
+    assert play["all_free"] is False
+
+
+def test_plain_holder_with_redacted_cmdline(scene):
+    pid = scene["plain"]["container_holders"][0]
+    h = holder(scene["ct101"], pid)
+    assert h["via"] == ["fd", "mmap"] and h["gpus"] == [0] and not h["defunct_leader"]
+    assert "--api-key ********" in h["cmdline"] and "sk-secret" not in scene["ct101"].output
+    assert h["nspid"] == [pid] and "/lxc/101/ns" in h["cgroup"] and h["user"] == "root"
+    nvml = gpu(scene["ct101"], 0)["nvml_processes"]
+    assert [(p["pid"], p["status"], p["used_mib"]) for p in nvml] == [(pid, "holder", 1024)]
+    assert any(line.startswith("pid %d (" % pid) and "SIGTERM, then SIGKILL to %d frees it" % pid in line
+               for line in scene["ct101"]["diagnosis"])
+
+
+def test_fork_inherit_child_holds_dead_parents_memory(scene):
+    parent = scene["fork"]["container_roles"]["parent"]
+    child = scene["fork"]["container_roles"]["child"]
+    assert not host_alive(scene["fork"]["roles"]["parent"]) and host_alive(scene["fork"]["roles"]["child"])
+    h = holder(scene["ct101"], child)
+    assert h["name"] == "pt_data_worker" and h["gpus"] == [1] and "fd" in h["via"] and "mmap" in h["via"]
+    g = gpu(scene["ct101"], 1)
+    assert g["holders"] == [child] and g["memory"]["used_mib"] == 2048
+    assert [(p["pid"], p["status"]) for p in g["nvml_processes"]] == [(parent, "not_visible")]
+    assert "outside this PID namespace" in g["nvml_processes"][0]["note"]
+    sentence = [line for line in scene["ct101"]["diagnosis"] if line.startswith("NVML names pid %d " % parent)]
+    assert sentence and "held by pid %d (pt_data_worker), probably its forked child, through inherited fds" % child \
+        in sentence[0] and sentence[0].endswith("SIGKILL to %d frees it" % child)
+
+
+def test_defunct_leader_found_where_fuser_is_blind(lab, scene):
+    leader = scene["defunct"]["container_roles"]["leader"]
+    h = holder(scene["ct101"], leader)
+    assert h["defunct_leader"] and h["state"] == "Z" and h["via"] == ["task"] and h["gpus"] == [2]
+    assert h["live_threads"] >= 1 and h["thread_states"].get("Z") == 1
+    expected = ("pid %d (%s) is a defunct leader with %d live threads holding /dev/nvidia-uvm, /dev/nvidia2, "
+                "/dev/nvidiactl; SIGKILL to %d frees it; fuser does not see it"
+                % (leader, h["name"], h["live_threads"], leader))
+    assert expected in scene["ct101"]["diagnosis"]
+    fuser = lab.exec(101, "fuser", "-v", "/dev/nvidia2")
+    assert " %d " % leader not in fuser.stdout
+
+
+def test_zombie_holds_nothing_and_names_its_parent(scene):
+    zombie = scene["zombie"]["container_roles"]["zombie"]
+    parent = scene["zombie"]["container_roles"]["parent"]
+    play = scene["ct101"]
+    assert zombie not in [h["pid"] for h in play["holders"]]
+    z = [z for z in play["zombies"] if z["pid"] == zombie][0]
+    assert z["ppid"] == parent and z["holds"] == []
+    assert gpu(play, 3)["free"] and gpu(play, 3)["holders"] == []
+    assert any(line.startswith("pid %d (" % zombie) and "zombie holding nothing; its parent %d (" % parent in line
+               for line in play["diagnosis"])
+
+
+def test_mmap_only_holder(scene):
+    pid = scene["mmap"]["container_holders"][0]
+    h = holder(scene["ct101"], pid)
+    assert h["via"] == ["mmap"] and h["fd_devices"] == [] and "/dev/nvidia4" in h["mapped_devices"]
+    assert any(line.startswith("pid %d (" % pid) and "has no /dev/nvidia* file open but maps" in line
+               for line in scene["ct101"]["diagnosis"])
+
+
+def test_tp_server_workers_pinned_parent_not_a_holder(scene):
+    roles = scene["tp"]["container_roles"]
+    play = scene["ct101"]
+    assert gpu(play, 5)["holders"] == [roles["worker0"]] and gpu(play, 6)["holders"] == [roles["worker1"]]
+    assert holder(play, roles["worker0"])["name"] == "tp_worker0"
+    assert roles["parent"] not in [h["pid"] for h in play["holders"] + play["clients"]]
+
+
+def test_monitor_is_a_client_and_bystander_is_nothing(scene):
+    play = scene["ct101"]
+    monitor = scene["monitor"]["container_roles"]["monitor"]
+    bystander = scene["cpu"]["container_roles"]["bystander"]
+    assert monitor not in [h["pid"] for h in play["holders"]]
+    client = [c for c in play["clients"] if c["pid"] == monitor][0]
+    assert client["mapped_devices"] == [] and "/dev/nvidiactl" in client["fd_devices"]
+    assert monitor in gpu(play, 0)["clients"]
+    assert bystander not in [p["pid"] for p in play["holders"] + play["clients"]]
+    # the module's own NVML client (its process tree) is never listed
+    assert not [c for c in play["clients"] if c["cmdline"] and ("AnsiballZ" in c["cmdline"] or "ansible" in c["cmdline"])]
+
+
+def test_layout_minors_4_to_7_are_indexes_0_to_3(scene):
+    play = scene["ct102_status"]
+    assert [(g["index"], g["minor"]) for g in play["gpus"]] == [(0, 4), (1, 5), (2, 6), (3, 7)]
+    pid = scene["ct102"]["container_holders"][0]
+    assert gpu(play, 3)["holders"] == [pid] and holder(play, pid)["gpus"] == [3]
+    assert holder(play, pid)["cmdline"] is None   # cmdline: false
+    # ct101's mmap_only holder on minor 4 is hidden from ct102 (modern driver): memory with no visible process
+    assert gpu(play, 0)["memory"]["used_mib"] == 768 and gpu(play, 0)["holders"] == []
+    assert gpu(play, 0)["unattributed_mib"] == 768 and gpu(play, 0)["nvml_processes"] == []
+    assert any(line.startswith("GPU 0 (minor 4): 768 MiB is used by no process visible here; look from the node")
+               for line in play["diagnosis"])
+
+
+def test_modern_nvml_pids_are_translated_into_the_container(scene):
+    # the plain holder: NVML (modern) gives the container pid, which /proc confirms
+    pid = scene["plain"]["container_holders"][0]
+    assert pid != scene["plain"]["holders"][0]
+    assert gpu(scene["ct101"], 0)["nvml_processes"][0]["pid"] == pid
+    # ct101 does not see ct102's holder on minor 7 (index 7 there): memory but no NVML process
+    g7 = gpu(scene["ct101"], 7)
+    assert g7["memory"]["used_mib"] == 4096 and g7["nvml_processes"] == [] and g7["holders"] == []
+
+
+def test_bad_selector_names_value_and_lists_gpus(lab, scene):
+    play = lab.play("ct102", "gpu_status", {"gpus": ["0", "GPU-no-such"]})
+    assert play.failed
+    msg = play["msg"]
+    assert msg.startswith("GPU 'GPU-no-such' not found; GPUs here: 0 (minor 4,")
+    assert "3 (minor 7," in msg and "\n" not in msg
+
+
+def test_check_mode_is_supported(lab, scene):
+    play = lab.play("ct102", "gpu_status", {"gpus": [3]}, check_mode=True)
+    assert not play.failed and play["changed"] is False and len(play["gpus"]) == 1
+
+
+def test_missing_libraries_give_one_line(lab):
+    play = lab.play("ct103", "gpu_status")
+    assert play.failed
+    msg = play["msg"]
+    assert "\n" not in msg and "psutil" in msg and "-m pip install psutil" in msg
+
+
+def test_gpu_is_lost_is_a_named_failure(lab, scene):
+    lab.labctl("fault", "--node", "pve1", "--gpu", 7, "--fault", "lost")
+    try:
+        play = lab.play("ct101", "gpu_status", {"gpus": [6, 7]})
+    finally:
+        lab.labctl("fault", "--node", "pve1", "--gpu", 7, "--fault", "none")
+    assert play.failed
+    assert play["msg"].startswith("GPU 7") and "NVML_ERROR_GPU_IS_LOST" in play["msg"]
+    assert gpu(play, 7)["free"] is False and gpu(play, 6)["error"] is None
+    assert "Traceback" not in play.output
+
+
+def test_nvml_hang_times_out_and_names_the_gpu(lab, scene):
+    lab.labctl("fault", "--node", "pve1", "--gpu", 6, "--fault", "hang")
+    try:
+        play = lab.play("ct101", "gpu_status", {"gpus": [5, 6], "nvml_timeout": 1})
+    finally:
+        lab.labctl("fault", "--node", "pve1", "--gpu", 6, "--fault", "none")
+    assert play.failed and play.seconds < 60
+    assert "GPU 6" in play["msg"] and "did not return within 1s (NVML hang)" in play["msg"]
+    assert gpu(play, 5)["error"] is None and gpu(play, 5)["holders"] == [scene["tp"]["container_roles"]["worker0"]]
+
+
+def test_driver_not_loaded(lab, scene):
+    lab.labctl("fault", "--node", "pve1", "--init", "not_loaded")
+    try:
+        play = lab.play("ct102", "gpu_status")
+    finally:
+        lab.labctl("fault", "--node", "pve1", "--init", "none")
+    assert play.failed and "NVML_ERROR_DRIVER_NOT_LOADED" in play["msg"] and "Traceback" not in play.output
+
+
+# ---- legacy driver: NVML gives host pids everywhere
+
+@pytest.fixture(scope="module")
+def legacy_lab():
+    lab = EngineLab("englg1", ["--nodes", "1", "--containers", "1", "--gpus", "2", "--nvml-pids", "legacy"])
+    try:
+        yield lab
+    finally:
+        lab.down()
+
+
+def test_legacy_nvml_host_pids_are_not_trusted(legacy_lab):
+    run = legacy_lab.run("plain", 101, [1], mib=1024)
+    host_pid, ct_pid = run["holders"][0], run["container_holders"][0]
+    play = legacy_lab.play("ct101", "gpu_status")
+    assert not play.failed, play
+    g = gpu(play, 1)
+    assert g["holders"] == [ct_pid]                       # /proc's word
+    assert [p["pid"] for p in g["nvml_processes"]] == [host_pid]   # NVML's host pid
+    assert g["nvml_processes"][0]["status"] in ("not_visible", "not_holder")
+    assert g["nvml_processes"][0]["matches_holder"] is False

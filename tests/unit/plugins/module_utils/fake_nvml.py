@@ -1,0 +1,91 @@
+"""A Python stand-in for the pynvml module, for unit tests of the engine.
+
+Only the calls _nvml.Nvml makes. Faults per GPU: 'lost' raises NVML_ERROR_GPU_IS_LOST,
+'hang' blocks until release() is called.
+"""
+
+import threading
+
+MIB = 1024 * 1024
+nvmlMemory_v2 = 0x02000028
+
+
+class NVMLError(Exception):
+    def __init__(self, value):
+        Exception.__init__(self, value)
+        self.value = value
+
+    def __str__(self):
+        return {15: "GPU is lost", 9: "Driver Not Loaded", 12: "NVML Shared Library Not Found"}.get(self.value, "Unknown Error")
+
+
+class _Obj(object):
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class FakeNvml(object):
+    NVMLError = NVMLError
+    nvmlMemory_v2 = nvmlMemory_v2
+
+    def __init__(self, gpus, init_error=None):
+        # gpus: list of dicts minor, used_mib, procs [(pid, mib)], fault
+        self.gpus = gpus
+        self.init_error = init_error
+        self.unblock = threading.Event()
+        self.calls = []
+
+    def release(self):
+        self.unblock.set()
+
+    def _dev(self, handle):
+        gpu = self.gpus[handle]
+        fault = gpu.get("fault")
+        if fault == "lost":
+            raise NVMLError(15)
+        if fault == "hang":
+            self.unblock.wait()
+        return gpu
+
+    def nvmlInit(self):
+        self.calls.append("init")
+        if self.init_error:
+            raise NVMLError(self.init_error)
+
+    def nvmlShutdown(self):
+        self.calls.append("shutdown")
+
+    def nvmlSystemGetDriverVersion(self):
+        return "580.159.04-fake"
+
+    def nvmlDeviceGetCount(self):
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index):
+        return index
+
+    def nvmlDeviceGetMinorNumber(self, handle):
+        return self._dev(handle)["minor"]
+
+    def nvmlDeviceGetUUID(self, handle):
+        return "GPU-%08d-0000-0000-0000-000000000000" % self.gpus[handle]["minor"]
+
+    def nvmlDeviceGetPciInfo(self, handle):
+        return _Obj(busId=b"00000000:%02X:00.0" % (0x18 + handle))
+
+    def nvmlDeviceGetName(self, handle):
+        return "NVIDIA H200"
+
+    def nvmlDeviceGetMemoryInfo(self, handle, version=None):
+        gpu = self._dev(handle)
+        used = gpu.get("used_mib", 0) * MIB
+        if version:
+            return _Obj(total=143771 * MIB, reserved=615 * MIB, used=used, free=0, version=version)
+        return _Obj(total=143771 * MIB, used=used + 615 * MIB, free=0)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle):
+        gpu = self._dev(handle)
+        return [_Obj(pid=pid, usedGpuMemory=mib * MIB) for pid, mib in gpu.get("procs", [])]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
+        return []

@@ -1,0 +1,25 @@
+"""A real process that holds fake device files the way a CUDA process does (for ladder tests).
+
+python holder_proc.py KIND DEV_DIR MINOR: prints 'ready' once it maps the files, then sleeps.
+KIND: plain, term_ignoring, defunct (the leader exits, threads keep the mappings).
+"""
+import ctypes
+import mmap
+import os
+import signal
+import sys
+import threading
+import time
+
+kind, dev_dir, minor = sys.argv[1], sys.argv[2], sys.argv[3]
+if kind == "term_ignoring":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+fds = [os.open(os.path.join(dev_dir, name), os.O_RDWR) for name in ("nvidiactl", "nvidia" + minor, "nvidia-uvm")]
+maps = [mmap.mmap(fd, 4096) for fd in fds]
+sys.stdout.write("ready\n")
+sys.stdout.flush()
+if kind == "defunct":
+    for _ in range(2):
+        threading.Thread(target=time.sleep, args=(600,)).start()
+    ctypes.CDLL(None).syscall(60, 0)
+time.sleep(600)

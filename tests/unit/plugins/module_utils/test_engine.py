@@ -1,0 +1,169 @@
+import time
+
+import pytest
+
+from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine, fmt_mib, missing_lib_message
+from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml, NvmlFailure
+
+from conftest import CTL, UVM
+from fake_nvml import FakeNvml
+
+
+def engine_for(proc, gpus, timeout=2.0, **kw):
+    fake = gpus if isinstance(gpus, FakeNvml) else FakeNvml(gpus)
+    engine = Engine(Nvml(timeout, lib=fake), proc_root=proc.root, self_pid=999999, **kw)
+    engine.start()
+    return engine, fake
+
+
+def test_defunct_leader_sentence_and_holder_details(proc):
+    g0 = ["/dev/nvidia0", CTL, UVM]
+    proc.add(533, state="Z", threads=19, argv=["python3", "train.py", "--token", "abc"],
+             tasks=dict([(533, {"state": "Z"})] + [(534 + i, {"state": "S", "maps": g0, "fds": g0}) for i in range(18)]))
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 33000, "procs": [(533, 33000)]}])
+    report = engine.snapshot([0])
+    holder = report.holders[0]
+    assert holder["defunct_leader"] and holder["live_threads"] == 18 and holder["via"] == ["task"]
+    assert holder["gpus"] == [0] and holder["cmdline"] == "python3 train.py --token ********"
+    assert holder["create_time"] == pytest.approx(1764400000 + 10.0)
+    assert report.gpus[0]["nvml_processes"][0]["status"] == "holder"
+    assert ("pid 533 (python3) is a defunct leader with 18 live threads holding /dev/nvidia-uvm, /dev/nvidia0, "
+            "/dev/nvidiactl; SIGKILL to 533 frees it; fuser does not see it") in report.diagnosis
+    assert not report.all_free
+
+
+def test_fork_child_of_dead_pid_is_named(proc):
+    g0 = ["/dev/nvidia0", CTL, UVM]
+    proc.add(585, comm="pt_data_worker", maps=g0, fds=g0)
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 32768, "procs": [(560, 32768)]}])
+    report = engine.snapshot([0])
+    nvml = report.gpus[0]["nvml_processes"][0]
+    assert nvml["status"] == "not_visible" and not nvml["matches_holder"]
+    assert report.gpus[0]["holders"] == [585] and report.gpus[0]["unattributed_mib"] == 0
+    assert any(line.startswith("NVML names pid 560 on GPU 0 (minor 0), which no longer exists; the memory is held "
+                               "by pid 585 (pt_data_worker), probably its forked child, through inherited fds")
+               and line.endswith("SIGKILL to 585 frees it") for line in report.diagnosis)
+
+
+def test_unattributed_memory_says_look_from_the_node(proc):
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 4000}])
+    report = engine.snapshot([0])
+    assert report.gpus[0]["unattributed_mib"] == 4000
+    assert any(line.startswith("GPU 0 (minor 0): 3.9 GiB is used by no process visible here; look from the node")
+               for line in report.diagnosis)
+
+
+def test_free_uses_v2_used_and_threshold(proc):
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 64}, {"minor": 1, "used_mib": 65}], threshold_mib=64)
+    report = engine.snapshot([0, 1])
+    assert [g["free"] for g in report.gpus] == [True, False]
+    assert report.gpus[0]["memory"] == {"total_mib": 143771, "used_mib": 64, "reserved_mib": 615, "v1_used_mib": 679}
+
+
+def test_layout_minors_4_to_7_seen_as_0_to_3(proc):
+    proc.add(70, maps=["/dev/nvidia6", CTL, UVM], fds=["/dev/nvidia6"])
+    engine, dummy = engine_for(proc, [{"minor": m, "used_mib": 1000 if m == 6 else 0} for m in (4, 5, 6, 7)])
+    report = engine.snapshot([0, 1, 2, 3])
+    assert report.holders[0]["gpus"] == [2] and report.holders[0]["gpu_minors"] == [6]
+    assert [g["holders"] for g in report.gpus] == [[], [], [70], []]
+
+
+def test_client_is_listed_apart_and_never_a_holder(proc):
+    proc.add(80, comm="nvidia-smi", fds=["/dev/nvidia0", CTL, UVM])
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 0}])
+    report = engine.snapshot([0])
+    assert report.holders == [] and [c["pid"] for c in report.clients] == [80]
+    assert report.gpus[0]["clients"] == [80] and report.gpus[0]["holders"] == []
+    assert any("pid 80 (nvidia-smi) only has" in line and "an NVML client" in line for line in report.diagnosis)
+
+
+def test_holder_of_only_ctl_and_uvm_is_unattributed(proc):
+    proc.add(90, maps=[CTL, UVM], fds=[CTL, UVM])
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 500}, {"minor": 1, "used_mib": 0}])
+    report = engine.snapshot([0, 1])
+    assert report.holders[0]["unattributed"] and report.as_dict()["holders_unattributed"] == [90]
+    assert any("all GPUs, unattributed" in line for line in report.diagnosis)
+
+
+def test_zombie_reported_with_its_parent_as_holding_nothing(proc):
+    proc.add(600, comm="python3")
+    proc.add(601, comm="python3", state="Z", threads=1, ppid=600)
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 0}])
+    report = engine.snapshot([0])
+    assert report.zombies == [{"pid": 601, "name": "python3", "ppid": 600, "parent_name": "python3", "holds": []}]
+    assert any(line.startswith("pid 601 (python3) is a zombie holding nothing; its parent 600 (python3)")
+               for line in report.diagnosis)
+    assert report.holders == []
+
+
+def test_d_state_holder_sentence_names_wchan(proc):
+    g0 = ["/dev/nvidia0", CTL, UVM]
+    proc.add(812, state="D", maps=g0, fds=g0, tasks={812: {"state": "D", "wchan": "hrtimer_nanosleep"}})
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 1024, "procs": [(812, 1024)]}])
+    report = engine.snapshot([0])
+    assert report.holders[0]["blocked_threads"][0]["wchan"] == "hrtimer_nanosleep"
+    assert any(line.startswith("pid 812 (python3) has thread 812 in D state (wchan hrtimer_nanosleep)")
+               for line in report.diagnosis)
+
+
+def test_legacy_host_pid_that_names_a_local_bystander(proc):
+    proc.add(729, comm="bash")
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 100, "procs": [(729, 100)]}])
+    report = engine.snapshot([0])
+    assert report.gpus[0]["nvml_processes"][0]["status"] == "not_holder"
+    assert report.holders == []
+
+
+def test_own_process_tree_is_not_counted(proc):
+    g0 = ["/dev/nvidia0", CTL, UVM]
+    proc.add(1, comm="init", ppid=0)
+    proc.add(100, comm="python3", ppid=1, maps=g0, fds=g0)   # the module itself (say, a CUDA-using python)
+    proc.add(101, comm="nvidia-smi", ppid=100, maps=g0, fds=g0)  # its child
+    proc.add(102, comm="python3", ppid=1, maps=g0, fds=g0)   # a real holder
+    fake = FakeNvml([{"minor": 0, "used_mib": 10}])
+    engine = Engine(Nvml(2.0, lib=fake), proc_root=proc.root, self_pid=100)
+    engine.start()
+    assert [h["pid"] for h in engine.snapshot([0]).holders] == [102]
+
+
+def test_lost_gpu_is_a_named_failure_not_free(proc):
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 0}, {"minor": 1, "used_mib": 0, "fault": "lost"}])
+    report = engine.snapshot([0, 1])
+    lost = report.gpus[1]
+    assert not lost["free"] and "NVML_ERROR_GPU_IS_LOST" in lost["error"]
+    assert not report.all_free and report.errors == [lost]
+    assert any(line.startswith("GPU 1: ") and "GPU_IS_LOST" in line for line in report.diagnosis)
+
+
+def test_hang_times_out_per_gpu_and_other_gpus_answer(proc):
+    fake = FakeNvml([{"minor": 0, "used_mib": 0}, {"minor": 1, "used_mib": 0, "fault": "hang"}])
+    started = time.monotonic()
+    engine, dummy = engine_for(proc, fake, timeout=0.3)
+    report = engine.snapshot([0, 1])
+    fake.release()
+    assert time.monotonic() - started < 3
+    assert report.gpus[0]["free"] and not report.gpus[1]["free"]
+    assert "did not return within 0.3s (NVML hang)" in report.gpus[1]["error"]
+
+
+def test_driver_not_loaded_at_init():
+    fake = FakeNvml([], init_error=9)
+    with pytest.raises(NvmlFailure) as err:
+        Nvml(1.0, lib=fake).init()
+    assert err.value.kind == "not_loaded" and "NVML_ERROR_DRIVER_NOT_LOADED" in err.value.message
+
+
+def test_two_hangs_wedge_nvml():
+    fake = FakeNvml([{"minor": 0, "fault": "hang"}, {"minor": 1, "fault": "hang"}, {"minor": 2}])
+    nvml = Nvml(0.2, lib=fake)
+    nvml.init()
+    gpus = nvml.list_gpus()
+    fake.release()
+    assert [g.get("error_kind") for g in gpus] == ["hang", "hang", "hang"]
+    assert "NVML is hung" in gpus[2]["error"]
+
+
+def test_fmt_and_missing_lib_message():
+    assert fmt_mib(4000) == "3.9 GiB" and fmt_mib(12) == "12 MiB"
+    line = missing_lib_message("nvidia-ml-py", "pynvml")
+    assert "\n" not in line and "nvidia-ml-py" in line and "-m pip install nvidia-ml-py" in line

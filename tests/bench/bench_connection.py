@@ -208,6 +208,33 @@ class Bench:
                              capture_output=True, text=True, check=True).stdout.split()
         return {'pct': float(out[0]), 'lxc-attach': float(out[1]), 'true': float(out[2])}
 
+    @staticmethod
+    def plugin_load_cost(rounds=10):
+        """Seconds a forked worker spends loading a connection plugin (ansible-playbook forks one per task)."""
+        code = ('import os, statistics, sys, time, warnings\n'
+                'from ansible.plugins.loader import init_plugin_loader, connection_loader\n'
+                'from ansible.playbook.play_context import PlayContext\n'
+                'init_plugin_loader()\n'
+                'connection_loader.get("ssh", class_only=True)\n'
+                'def child(name):\n'
+                '    r, w = os.pipe()\n'
+                '    pid = os.fork()\n'
+                '    if pid == 0:\n'
+                '        start = time.perf_counter()\n'
+                '        connection_loader.get(name, PlayContext())\n'
+                '        os.write(w, str(time.perf_counter() - start).encode())\n'
+                '        os._exit(0)\n'
+                '    os.close(w)\n'
+                '    took = float(os.read(r, 64))\n'
+                '    os.waitpid(pid, 0)\n'
+                '    os.close(r)\n'
+                '    return took\n'
+                'print(*[statistics.median(child(n) for _ in range(%d)) for n in ("ssh", "gpuops.fleet.pct")])'
+                % rounds)
+        out = subprocess.run([os.path.join(OUR_BIN, 'python'), '-c', code], capture_output=True, text=True,
+                             check=True).stdout.split()
+        return {'ssh': float(out[0]), 'pct': float(out[1])}
+
     def accepted(self):
         with open(self.sshd_log, errors='replace') as f:
             return f.read().count('Accepted publickey')
@@ -241,7 +268,8 @@ class Bench:
                 conns[(variant, forks)] = self.accepted() - before
                 log('%s forks=%d: %d connections' % (variant, forks, conns[(variant, forks)]))
         cost = self.standin_cost()
-        log('lab stand-ins per call: %s' % cost)
+        cost['load'] = self.plugin_load_cost()
+        log('lab stand-ins per call, plugin loads: %s' % cost)
         return calls, {v: statistics.median(t) for v, t in times.items()}, times, conns, cost
 
 
@@ -266,8 +294,8 @@ def markdown(bench, calls, med, times, conns, versions, cost):
         'Anchor: community.proxmox %s from ansible %s (ansible-core %s), in `.bench/anchor-venv`. '
         'Wall times: one `ansible-playbook` run of %d `ansible.builtin.ping` tasks into one container, started cold '
         '(no SSH master yet). There are %d rounds, and each round runs every variant once. Plain OpenSSH gets the same '
-        '`ssh_args` as ours (`%s`) and the same Python.' % (bench.args.pct_delay, versions[2], versions[0], versions[1],
-                                                     tasks, bench.args.reps, SSH_ARGS),
+        '`ssh_args` as ours (`%s`) and the same Python.' % (
+            bench.args.pct_delay, versions[2], versions[0], versions[1], tasks, bench.args.reps, SSH_ARGS),
         '',
         '| figure | %s | %s | %s | %s |' % tuple(LABELS[v] for v in VARIANTS),
         '|---|---|---|---|---|',
@@ -297,10 +325,13 @@ def markdown(bench, calls, med, times, conns, versions, cost):
         'stand-ins alone, timed on the node, cost %.3f s per `pct exec` (%.1f s of it the Perl-like delay) and %.3f s '
         'per `lxc-attach`, which is a Python script here and a C binary on Proxmox. `true` alone costs %.3f s. What '
         'is left is the plugin\'s own cost, within this machine\'s noise: %.3f s per task with pct, %.3f s with '
-        'lxc-attach. With one pct call per task, the best possible speed-up over the anchor here is the anchor over '
-        '(plain OpenSSH + %d lab pct calls) = %.1fx.' % (
+        'lxc-attach. Of that, %.3f s is ansible-core loading the plugin in each task\'s forked worker (%.3f s for '
+        'ours, %.3f s for the builtin `ssh`, whose documentation the parent process has already parsed). With one '
+        'pct call per task, the best possible speed-up over the anchor here is the anchor over (plain OpenSSH + %d '
+        'lab pct calls) = %.1fx.' % (
             over_ssh['pct'], over_ssh['lxc'], cost['pct'], bench.args.pct_delay, cost['lxc-attach'], cost['true'],
-            over_ssh['pct'] - cost['pct'], over_ssh['lxc'] - cost['lxc-attach'], tasks,
+            over_ssh['pct'] - cost['pct'], over_ssh['lxc'] - cost['lxc-attach'],
+            cost['load']['pct'] - cost['load']['ssh'], cost['load']['pct'], cost['load']['ssh'], tasks,
             med['anchor'] / (med['ssh'] + tasks * cost['pct'])),
     ]
     return '\n'.join(lines)

@@ -101,8 +101,10 @@ def run_sanity(tally):
 def run_pytest(tally, name, paths, extra=()):
     banner("pytest " + name)
     xml = os.path.join(tempfile.gettempdir(), "gpuops-%s-%d.xml" % (name, os.getpid()))
-    env = dict(os.environ, PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""),
-               PYTHONPATH=os.path.join(REPO, ".venv", "lib", "python3.11", "site-packages"))
+    # No PYTHONPATH: the venv already sees ansible_collections, and a PYTHONPATH would leak
+    # into lab containers through pct exec (which keeps the environment).
+    env = dict(os.environ, PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""))
+    env.pop("PYTHONPATH", None)
     cmd = [os.path.join(VENV_BIN, "python"), "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
            "--junitxml", xml] + list(extra) + list(paths)
     proc = subprocess.run(cmd, cwd=REPO, env=env, check=False)

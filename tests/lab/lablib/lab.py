@@ -387,7 +387,9 @@ class Lab:
                 cts["ct%s" % vmid] = dict(common, ansible_connection="gpuops.fleet.pct",
                                           ansible_host=ncfg["address"], pve_node_host=ncfg["address"],
                                           pct_vmid=int(vmid), lab_node=node,
-                                          ansible_python_interpreter=c["python"])
+                                          ansible_python_interpreter=c["python"],
+                                          # lab containers share the host's /root: keep temp files in their /tmp
+                                          ansible_remote_tmp="/tmp/.ansible/tmp")
         inv = {"all": {"children": {"gpu_containers": {"hosts": cts}, "pve_nodes": {"hosts": nodes}}}}
         write_file(self.inventory_path(), "# gpuops lab %s, written by labctl\n" % self.rid + to_yaml(inv))
         if cfg.get("api"):
@@ -406,7 +408,8 @@ class Lab:
                    "ansible_ssh_common_args": "'-o UserKnownHostsFile=%s -o IdentitiesOnly=yes'"
                                               % os.path.join(ssh, "known_hosts"),
                    "ansible_python_interpreter": python,
-                   "pve_node_host": "ansible_host", "lab_node": "proxmox_node"}
+                   "pve_node_host": "ansible_host", "lab_node": "proxmox_node",
+                   "ansible_remote_tmp": "'/tmp/.ansible/tmp'"}
         conf = {"plugin": "gpuops.fleet.proxmox_gpu", "url": "https://%s:%d" % (cfg["api"]["address"], pveapi.PORT),
                 "user": pveapi.USER, "token_id": pveapi.TOKEN_ID, "token_secret": pveapi.read_secret(self.state, "token"),
                 "ca_path": cfg["api"]["ca"], "compose": compose}

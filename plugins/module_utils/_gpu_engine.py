@@ -13,8 +13,11 @@ import pwd
 import sys
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
-from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
-from ansible_collections.gpuops.fleet.plugins.module_utils._redact import redact_argv
+from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
+    HAS_PYNVML, PYNVML_IMPORT_ERROR, Nvml, NvmlFailure,
+)
+from ansible_collections.gpuops.fleet.plugins.module_utils._redact import compile_patterns, redact_argv
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import HAS_PSUTIL, PSUTIL_IMPORT_ERROR
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import resolve_gpus
 
 # argument_spec shared by gpu_status and gpu_release (documented in doc_fragments/_gpu.py)
@@ -38,6 +41,34 @@ def missing_lib_message(package, import_name):
     return ("The Python library %s (import %s) is missing for %s on this host: install it with "
             "'%s -m pip install %s' (or run the gpuops.fleet.release_gpus role, which installs it)"
             % (package, import_name, sys.executable or "python3", sys.executable or "python3", package))
+
+
+def check_common_params(module):
+    """Fail the task on a bad GPU_COMMON_ARGS value; returns the compiled redact patterns."""
+    params = module.params
+    if params["threshold_mib"] < 0:
+        module.fail_json(msg="threshold_mib must be 0 or more, got %s" % params["threshold_mib"])
+    if params["nvml_timeout"] <= 0:
+        module.fail_json(msg="nvml_timeout must be more than 0, got %s" % params["nvml_timeout"])
+    try:
+        patterns = compile_patterns(params["redact"])
+    except ValueError as exc:
+        module.fail_json(msg=str(exc))
+    return patterns
+
+
+def check_libraries(module):
+    """Fail the task, in one line, when psutil or nvidia-ml-py is missing on the target."""
+    if not HAS_PSUTIL:
+        module.fail_json(msg=missing_lib_message("psutil", "psutil"), exception=repr(PSUTIL_IMPORT_ERROR))
+    if not HAS_PYNVML:
+        module.fail_json(msg=missing_lib_message("nvidia-ml-py", "pynvml"), exception=repr(PYNVML_IMPORT_ERROR))
+
+
+def engine_from_params(params, patterns):
+    """An Engine over a new Nvml, set up from GPU_COMMON_ARGS (not started)."""
+    return Engine(Nvml(timeout=params["nvml_timeout"]), redact_patterns=patterns, with_cmdline=params["cmdline"],
+                  threshold_mib=params["threshold_mib"])
 
 
 def fmt_mib(mib):

@@ -241,15 +241,10 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
-    GPU_COMMON_ARGS, Engine, missing_lib_message,
+    GPU_COMMON_ARGS, check_common_params, check_libraries, engine_from_params,
 )
-from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
-    HAS_PYNVML, PYNVML_IMPORT_ERROR, Nvml, NvmlFailure,
-)
-from ansible_collections.gpuops.fleet.plugins.module_utils._redact import compile_patterns
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import (
-    HAS_PSUTIL, PSUTIL_IMPORT_ERROR, ReleaseTimeout, release,
-)
+from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import ReleaseTimeout, release
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import (
     Protect, SelectorError, compile_regex,
 )
@@ -283,28 +278,20 @@ def main():
             module.fail_json(msg="%s must be 0 or more, got %s" % (name, params[name]))
     if params["timeout"] <= 0:
         module.fail_json(msg="timeout must be more than 0, got %s" % params["timeout"])
-    if params["threshold_mib"] < 0:
-        module.fail_json(msg="threshold_mib must be 0 or more, got %s" % params["threshold_mib"])
-    if params["nvml_timeout"] <= 0:
-        module.fail_json(msg="nvml_timeout must be more than 0, got %s" % params["nvml_timeout"])
+    patterns = check_common_params(module)
     try:
-        patterns = compile_patterns(params["redact"])
         match = compile_regex(params["match"], "match") if params["match"] is not None else None
         protect = Protect(params["protect"])
     except (ValueError, SelectorError) as exc:
         module.fail_json(msg=str(exc))
-    if not HAS_PSUTIL:
-        module.fail_json(msg=missing_lib_message("psutil", "psutil"), exception=repr(PSUTIL_IMPORT_ERROR))
-    if not HAS_PYNVML:
-        module.fail_json(msg=missing_lib_message("nvidia-ml-py", "pynvml"), exception=repr(PYNVML_IMPORT_ERROR))
+    check_libraries(module)
 
     deadline = started + params["timeout"]
     signal.signal(signal.SIGALRM, _backstop)
     signal.setitimer(signal.ITIMER_REAL, params["timeout"] + BACKSTOP_S)
 
-    nvml = Nvml(timeout=params["nvml_timeout"])
-    engine = Engine(nvml, redact_patterns=patterns, with_cmdline=params["cmdline"],
-                    threshold_mib=params["threshold_mib"])
+    engine = engine_from_params(params, patterns)
+    nvml = engine.nvml
     try:
         try:
             engine.start()

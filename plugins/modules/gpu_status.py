@@ -299,39 +299,15 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
-    GPU_COMMON_ARGS, Engine, missing_lib_message,
+    GPU_COMMON_ARGS, check_common_params, check_libraries, engine_from_params,
 )
-from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
-    HAS_PYNVML, PYNVML_IMPORT_ERROR, Nvml, NvmlFailure,
-)
-from ansible_collections.gpuops.fleet.plugins.module_utils._redact import compile_patterns
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import HAS_PSUTIL, PSUTIL_IMPORT_ERROR
+from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
-
-
-def check_common(module):
-    """Validate shared options and libraries; returns compiled redact patterns."""
-    params = module.params
-    if params["threshold_mib"] < 0:
-        module.fail_json(msg="threshold_mib must be 0 or more, got %s" % params["threshold_mib"])
-    if params["nvml_timeout"] <= 0:
-        module.fail_json(msg="nvml_timeout must be more than 0, got %s" % params["nvml_timeout"])
-    try:
-        patterns = compile_patterns(params["redact"])
-    except ValueError as exc:
-        module.fail_json(msg=str(exc))
-    if not HAS_PSUTIL:
-        module.fail_json(msg=missing_lib_message("psutil", "psutil"), exception=repr(PSUTIL_IMPORT_ERROR))
-    if not HAS_PYNVML:
-        module.fail_json(msg=missing_lib_message("nvidia-ml-py", "pynvml"), exception=repr(PYNVML_IMPORT_ERROR))
-    return patterns
 
 
 def start_engine(module, patterns):
     params = module.params
-    nvml = Nvml(timeout=params["nvml_timeout"])
-    engine = Engine(nvml, redact_patterns=patterns, with_cmdline=params["cmdline"],
-                    threshold_mib=params["threshold_mib"])
+    engine = engine_from_params(params, patterns)
     try:
         engine.start()
     except NvmlFailure as exc:
@@ -339,14 +315,15 @@ def start_engine(module, patterns):
     try:
         targets = engine.select(params["gpus"])
     except SelectorError as exc:
-        nvml.shutdown()
+        engine.nvml.shutdown()
         module.fail_json(msg=str(exc))
     return engine, targets
 
 
 def main():
     module = AnsibleModule(argument_spec=dict(GPU_COMMON_ARGS), supports_check_mode=True)
-    patterns = check_common(module)
+    patterns = check_common_params(module)
+    check_libraries(module)
     engine, targets = start_engine(module, patterns)
     try:
         report = engine.snapshot(targets)

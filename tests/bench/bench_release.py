@@ -142,6 +142,18 @@ class Cuda(object):
         self.procs.append((proc, wfd))
         return proc, doc
 
+    def start_holders(self, scenario, gib=None):
+        """Start one GPU_FACTS holder shape; returns the pids that hold its memory (for fork_inherit the
+        child, once its parent is killed and reaped)."""
+        proc, doc = self.start(scenario, gib=gib)
+        holders = doc["holders"]
+        if scenario == "fork_inherit":
+            os.kill(doc["roles"]["parent"], signal.SIGKILL)
+            proc.wait()
+            holders = [doc["roles"]["child"]]
+        time.sleep(0.3)
+        return holders
+
     def stop_all(self):
         for proc, wfd in self.procs:
             os.close(wfd)           # the lifeline: every workload process ends itself
@@ -211,13 +223,7 @@ def cuda_main(gib, rehearse=False):
                 "| scenario | expected holders | module holders | via | defunct_leader | clients | diagnosis (first) |",
                 "|---|---|---|---|---|---|---|"]
         for scenario in ("plain", "fork_inherit", "defunct_leader", "mmap_only", "monitor"):
-            proc, doc = cuda.start(scenario, gib=min(gib, 4))
-            expected = doc["holders"]
-            if scenario == "fork_inherit":
-                os.kill(doc["roles"]["parent"], signal.SIGKILL)
-                proc.wait()
-                expected = [doc["roles"]["child"]]
-            time.sleep(0.3)
+            expected = cuda.start_holders(scenario, gib=min(gib, 4))
             rc, res, task, wall = cuda.play("gpu_status", {"gpus": [0]})
             holders = res.get("holders", [])
             out.append("| %s | %s | %s | %s | %s | %s | %s |" % (
@@ -230,13 +236,7 @@ def cuda_main(gib, rehearse=False):
                 "| scenario | changed | signals | rung | module elapsed_s | task s | v2 used after | holders alive after |",
                 "|---|---|---|---|---|---|---|---|"]
         for scenario in ("plain", "fork_inherit", "defunct_leader", "mmap_only"):
-            proc, doc = cuda.start(scenario, gib=min(gib, 4))
-            holders = doc["holders"]
-            if scenario == "fork_inherit":
-                os.kill(doc["roles"]["parent"], signal.SIGKILL)
-                proc.wait()
-                holders = [doc["roles"]["child"]]
-            time.sleep(0.3)
+            holders = cuda.start_holders(scenario, gib=min(gib, 4))
             rc, res, task, wall = cuda.play("gpu_release", {"gpus": [0], "match": "cuda_workload"})
             time.sleep(0.2)
             alive = [p for p in holders if os.path.exists("/proc/%d" % p) and not _zombie(p)]

@@ -14,7 +14,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
+LAB_DIR = os.path.join(REPO, "tests", "lab")
+LABCTL = os.path.join(LAB_DIR, "labctl")
 VENV_BIN = os.path.dirname(os.path.abspath(sys.executable))
 PLAYBOOKS = os.path.join(REPO, "playbooks")
 WHEELS = os.path.join(REPO, ".cache", "wheels")
@@ -22,6 +23,10 @@ RECAP = re.compile(r"^(\S+)\s*:\s*ok=(\d+)\s+changed=(\d+)\s+unreachable=(\d+)\s
                    r"\s+skipped=(\d+)\s+rescued=(\d+)\s+ignored=(\d+)")
 # Each container sees 2 GPUs of its node as indexes 0 and 1.
 LAYOUT = {"101": [0, 1], "102": [2, 3], "103": [4, 5], "201": [0, 1], "202": [2, 3], "203": [4, 5]}
+
+if LAB_DIR not in sys.path:
+    sys.path.append(LAB_DIR)
+from lablib.common import proc_state  # noqa: E402  (the lab's stdlib helpers, shared with demo.py)
 
 
 class PlayResult:
@@ -161,15 +166,6 @@ def wave_includes(output):
     for hosts, wave in re.findall(r"included: gpuops\.fleet\.release_gpus for (.+) => \(item=wave (\d+)\)", output):
         waves.setdefault(int(wave), []).extend(h.strip() for h in hosts.split(","))
     return waves
-
-
-def proc_state(pid):
-    """State letter of a host pid, or None when it is gone."""
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def alive(pid):

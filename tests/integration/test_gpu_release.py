@@ -9,17 +9,13 @@ import signal
 import pytest
 
 from _enginelab import EngineLab, host_alive
+from _labfixture import module_lab
 
 FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
 
 
-@pytest.fixture(scope="module")
-def lab():
-    lab = EngineLab("engrl1", ["--nodes", "1", "--containers", "2", "--gpus", "8", "--layout", "102=4,5,6,7"])
-    try:
-        yield lab
-    finally:
-        lab.down()
+lab = module_lab(lambda: EngineLab("engrl1", ["--nodes", "1", "--containers", "2", "--gpus", "8",
+                                              "--layout", "102=4,5,6,7"]))
 
 
 @pytest.fixture

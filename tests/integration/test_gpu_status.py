@@ -9,16 +9,11 @@ import subprocess
 import pytest
 
 from _enginelab import EngineLab, host_alive
+from _labfixture import module_lab
 
 
-@pytest.fixture(scope="module")
-def lab():
-    lab = EngineLab("engst1", ["--nodes", "1", "--containers", "3", "--gpus", "8",
-                               "--layout", "102=4,5,6,7", "--bare", "103"])
-    try:
-        yield lab
-    finally:
-        lab.down()
+lab = module_lab(lambda: EngineLab("engst1", ["--nodes", "1", "--containers", "3", "--gpus", "8",
+                                              "--layout", "102=4,5,6,7", "--bare", "103"]))
 
 
 @pytest.fixture(scope="module")
@@ -223,13 +218,8 @@ def test_driver_not_loaded(lab, scene):
 
 # ---- legacy driver: NVML gives host pids everywhere
 
-@pytest.fixture(scope="module")
-def legacy_lab():
-    lab = EngineLab("englg1", ["--nodes", "1", "--containers", "1", "--gpus", "2", "--nvml-pids", "legacy"])
-    try:
-        yield lab
-    finally:
-        lab.down()
+legacy_lab = module_lab(lambda: EngineLab("englg1", ["--nodes", "1", "--containers", "1", "--gpus", "2",
+                                                     "--nvml-pids", "legacy"]), name="legacy_lab")
 
 
 def test_legacy_nvml_host_pids_are_not_trusted(legacy_lab):

@@ -3,29 +3,14 @@ max_fail_percentage) against the lab, through gpuops.fleet.pct. Truth from `labc
 import os
 import re
 
-import pytest
-
+from _labfixture import clean_role_lab, module_lab
 from _rolelab import RoleLab, alive, wave_includes
 
 LAB_ID = os.environ.get("PLAYBOOK_TEST_LAB_ID", "playtest")
 
 
-@pytest.fixture(scope="module")
-def lab():
-    lab = RoleLab(LAB_ID)
-    try:
-        yield lab
-    finally:
-        lab.down()
-
-
-@pytest.fixture
-def clean(lab):
-    try:
-        assert lab.all_free(), "lab GPUs not free before the test: %s" % lab.gpus()
-        yield lab
-    finally:
-        lab.reset()
+lab = module_lab(lambda: RoleLab(LAB_ID))
+clean = clean_role_lab()
 
 
 def test_gpu_status_reports_the_fleet_and_changes_nothing(clean):

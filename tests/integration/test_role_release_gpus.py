@@ -9,28 +9,14 @@ import shutil
 
 import pytest
 
+from _labfixture import clean_role_lab, module_lab
 from _rolelab import REPO, RoleLab, alive, make_venv, proc_state, wave_includes
 
 LAB_ID = os.environ.get("ROLE_TEST_LAB_ID", "roletest")
 
 
-@pytest.fixture(scope="module")
-def lab():
-    lab = RoleLab(LAB_ID)
-    try:
-        yield lab
-    finally:
-        lab.down()
-
-
-@pytest.fixture
-def clean(lab):
-    """A test starts on free GPUs and leaves its containers restarted, whatever happens."""
-    try:
-        assert lab.all_free(), "lab GPUs not free before the test: %s" % lab.gpus()
-        yield lab
-    finally:
-        lab.reset()
+lab = module_lab(lambda: RoleLab(LAB_ID))
+clean = clean_role_lab()
 
 
 @pytest.fixture(scope="module")

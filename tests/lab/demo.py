@@ -23,6 +23,8 @@ import sys
 import tempfile
 import time
 
+from lablib.common import proc_state
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
 VENV_BIN = os.path.dirname(os.path.abspath(sys.executable))
@@ -66,14 +68,6 @@ def run_workload(scenario, node, vmid, gpus=(), mib=None, extra=()):
     if extra:
         args += ["--"] + list(extra)
     return labctl(*args)
-
-
-def proc_state(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as f:
-            return f.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return None
 
 
 def wait_until(predicate, timeout, what):

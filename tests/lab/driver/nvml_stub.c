@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -439,6 +440,12 @@ static nvmlReturn_t device_check(nvmlDevice_t h)
     return ret;
 }
 
+/* device_check for a getter that writes through one pointer: a null pointer is an invalid argument. */
+static nvmlReturn_t device_check_out(nvmlDevice_t h, const void *out)
+{
+    return out ? device_check(h) : NVML_ERROR_INVALID_ARGUMENT;
+}
+
 /* ---- system ---- */
 
 EXPORT nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length)
@@ -564,9 +571,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t h, char *uuid, unsigned int l
 
 EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t h, unsigned int *minor)
 {
-    if (!minor)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t ret = device_check(h);
+    nvmlReturn_t ret = device_check_out(h, minor);
     if (ret == NVML_SUCCESS)
         *minor = h->minor;
     return ret;
@@ -574,33 +579,20 @@ EXPORT nvmlReturn_t nvmlDeviceGetMinorNumber(nvmlDevice_t h, unsigned int *minor
 
 EXPORT nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t h, unsigned int *index)
 {
-    if (!index)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t ret = device_check(h);
+    nvmlReturn_t ret = device_check_out(h, index);
     if (ret == NVML_SUCCESS)
         *index = h->index;
     return ret;
 }
 
-static nvmlReturn_t pci_fields(nvmlDevice_t h, unsigned int *dom, unsigned int *bus, unsigned int *dev)
-{
-    unsigned int fn;
-    nvmlReturn_t ret = device_check(h);
-    if (ret != NVML_SUCCESS)
-        return ret;
-    if (parse_bus_id(h->bus_id, dom, bus, dev, &fn) != 0)
-        return NVML_ERROR_UNKNOWN;
-    return NVML_SUCCESS;
-}
-
 EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t h, nvmlPciInfo_t *pci)
 {
-    unsigned int dom, bus, dev;
-    if (!pci)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t ret = pci_fields(h, &dom, &bus, &dev);
+    unsigned int dom, bus, dev, fn;
+    nvmlReturn_t ret = device_check_out(h, pci);
     if (ret != NVML_SUCCESS)
         return ret;
+    if (parse_bus_id(h->bus_id, &dom, &bus, &dev, &fn) != 0)
+        return NVML_ERROR_UNKNOWN;
     memset(pci, 0, sizeof *pci);
     snprintf(pci->busIdLegacy, sizeof pci->busIdLegacy, "%04X:%02X:%02X.0", dom, bus, dev);
     snprintf(pci->busId, sizeof pci->busId, "%08X:%02X:%02X.0", dom, bus, dev);
@@ -612,21 +604,21 @@ EXPORT nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t h, nvmlPciInfo_t *pci)
     return NVML_SUCCESS;
 }
 
+/* The legacy struct starts as the v3 one does: the short bus id, then the same five ids. */
+_Static_assert(offsetof(nvmlPciInfo_v2_t, pciSubSystemId) == offsetof(nvmlPciInfo_t, pciSubSystemId) &&
+                   offsetof(nvmlPciInfo_t, busId) <= sizeof(nvmlPciInfo_v2_t),
+               "nvmlPciInfo_v2_t and nvmlPciInfo_t share their leading fields");
+
 static nvmlReturn_t pci_info_legacy(nvmlDevice_t h, nvmlPciInfo_v2_t *pci)
 {
-    unsigned int dom, bus, dev;
+    nvmlPciInfo_t v3;
     if (!pci)
         return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t ret = pci_fields(h, &dom, &bus, &dev);
+    nvmlReturn_t ret = nvmlDeviceGetPciInfo_v3(h, &v3);
     if (ret != NVML_SUCCESS)
         return ret;
     memset(pci, 0, sizeof *pci);
-    snprintf(pci->busId, sizeof pci->busId, "%04X:%02X:%02X.0", dom, bus, dev);
-    pci->domain = dom;
-    pci->bus = bus;
-    pci->device = dev;
-    pci->pciDeviceId = PCI_DEVICE_ID;
-    pci->pciSubSystemId = PCI_SUBSYSTEM_ID;
+    memcpy(pci, &v3, offsetof(nvmlPciInfo_t, busId));
     return NVML_SUCCESS;
 }
 
@@ -736,9 +728,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses(nvmlDevice_t h, unsigne
 /* No graphics clients on a compute node: always empty. */
 static nvmlReturn_t no_processes(nvmlDevice_t h, unsigned int *count)
 {
-    if (!count)
-        return NVML_ERROR_INVALID_ARGUMENT;
-    nvmlReturn_t ret = device_check(h);
+    nvmlReturn_t ret = device_check_out(h, count);
     if (ret == NVML_SUCCESS)
         *count = 0;
     return ret;

@@ -76,6 +76,15 @@ def write_file(path, text, mode=0o644):
     os.replace(tmp, path)
 
 
+def proc_state(pid):
+    """State letter of a host pid, or None when it is gone."""
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 def pid_alive(pid):
     """True when pid exists and is not a zombie."""
     if not pid:

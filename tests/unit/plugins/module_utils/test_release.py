@@ -132,8 +132,13 @@ class Lab(object):
         proc = subprocess.Popen([sys.executable, os.path.join(HERE, "holder_proc.py"), kind, self.devdir, str(minor)],
                                 stdout=subprocess.PIPE)
         assert proc.stdout.readline().strip() == b"ready"
-        time.sleep(0.05)
         self.procs.append((proc, minor))
+        # Wait until the fake NVML has seen the new holder (the follower thread is slow under load).
+        deadline = time.monotonic() + 5
+        gpu = next(g for g in self.fake.gpus if g["minor"] == minor)
+        while gpu["used_mib"] < 1000 * sum(1 for p, m in self.procs if m == minor and self.holding(p.pid)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.01)
         return proc.pid
 
     def holding(self, pid):

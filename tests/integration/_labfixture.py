@@ -1,0 +1,27 @@
+"""Fixture factories shared by the integration test modules; each module keeps its own lab and LAB_ID."""
+import pytest
+
+
+def module_lab(build, name="lab"):
+    """A module-scoped fixture `name`: the lab that build() brings up, torn down whatever happens."""
+    @pytest.fixture(scope="module", name=name)
+    def fixture():
+        lab = build()
+        try:
+            yield lab
+        finally:
+            lab.down()
+    return fixture
+
+
+def clean_role_lab():
+    """Fixture `clean` over a RoleLab `lab`: a test starts on free GPUs and leaves its containers
+    restarted, whatever happens."""
+    @pytest.fixture(name="clean")
+    def fixture(lab):
+        try:
+            assert lab.all_free(), "lab GPUs not free before the test: %s" % lab.gpus()
+            yield lab
+        finally:
+            lab.reset()
+    return fixture

@@ -62,6 +62,16 @@ def outer(config_path):
               + sys.argv[2:])
 
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+
+def _show_repo_under(mountpoint, repo_fd):
+    """Bind the repository back at its own path when a fresh tmpfs on mountpoint hid it."""
+    if REPO_ROOT.startswith(mountpoint + "/"):
+        os.makedirs(REPO_ROOT, exist_ok=True)
+        sysutil.bind("/proc/self/fd/%d" % repo_fd, REPO_ROOT)
+
+
 def setup_mounts(cfg):
     sysutil.make_rprivate("/")
     # A container started from a node's namespace drops the node's overlays first.
@@ -106,10 +116,15 @@ def setup_mounts(cfg):
         sysutil.touch("/dev/nvidia-caps/" + name, 0o444)
         sysutil.bind(os.path.join(dev_src, "nvidia-caps", name), "/dev/nvidia-caps/" + name)
 
+    # The clone may live under /tmp or /run (CI clones anywhere): keep it visible at its path.
+    repo_fd = os.open(REPO_ROOT, os.O_PATH | os.O_DIRECTORY)
     sysutil.mount("tmpfs", "/tmp", "tmpfs", sysutil.MS_NOSUID | sysutil.MS_NODEV, "mode=1777")
+    _show_repo_under("/tmp", repo_fd)
 
     state_fd = os.open(state, os.O_PATH | os.O_DIRECTORY)
     sysutil.mount("tmpfs", "/run", "tmpfs", sysutil.MS_NOSUID | sysutil.MS_NODEV, "mode=755")
+    _show_repo_under("/run", repo_fd)
+    os.close(repo_fd)
     via_fd = "/proc/self/fd/%d/" % state_fd
     os.mkdir("/run/nvidia-lab")
     sysutil.bind(via_fd + "driver", "/run/nvidia-lab")

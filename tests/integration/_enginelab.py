@@ -14,6 +14,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
+if os.path.join(REPO, "tests", "lab") not in sys.path:
+    sys.path.append(os.path.join(REPO, "tests", "lab"))
+from lablib.common import clone_lab_id  # noqa: E402  (lab names unique to this clone)
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
 if not os.path.exists(os.path.join(VENV_BIN, "ansible-playbook")):
     VENV_BIN = os.path.dirname(os.path.abspath(sys.executable))
@@ -54,7 +57,7 @@ class EngineLab(object):
     """One lab for one test module; `up_args` as for `labctl up`."""
 
     def __init__(self, lab_id, up_args):
-        self.lab_id = lab_id
+        self.lab_id = lab_id = clone_lab_id(lab_id)
         self.env = dict(os.environ, LAB_ID=lab_id, LAB_PCT_DELAY="0.05", ANSIBLE_NOCOLOR="1",
                         ANSIBLE_DEPRECATION_WARNINGS="False")
         # labctl run passes PATH into containers: keep the controller venv out (its supervisorctl is not the lab's)

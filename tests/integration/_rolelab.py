@@ -26,7 +26,7 @@ LAYOUT = {"101": [0, 1], "102": [2, 3], "103": [4, 5], "201": [0, 1], "202": [2,
 
 if LAB_DIR not in sys.path:
     sys.path.append(LAB_DIR)
-from lablib.common import proc_state  # noqa: E402  (the lab's stdlib helpers, shared with demo.py)
+from lablib.common import clone_lab_id, proc_state  # noqa: E402  (the lab's stdlib helpers, shared with demo.py)
 
 
 class PlayResult:
@@ -51,7 +51,7 @@ class RoleLab:
     """One lab for a test module: 2 nodes x 3 containers, each container 2 GPUs of its own."""
 
     def __init__(self, lab_id, nodes=2, containers=3, bare=()):
-        self.lab_id = lab_id
+        self.lab_id = lab_id = clone_lab_id(lab_id)
         self.env = dict(os.environ, LAB_ID=lab_id, LAB_PCT_DELAY="0.1", ANSIBLE_NOCOLOR="1",
                         ANSIBLE_FORCE_COLOR="0")
         self.workdir = tempfile.mkdtemp(prefix="gpuops-role-%s-" % lab_id)

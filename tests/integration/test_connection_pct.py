@@ -32,7 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 LABCTL = os.path.join(REPO, 'tests', 'lab', 'labctl')
 VENV_BIN = os.path.dirname(os.path.abspath(sys.executable))
 PLAYBOOK = os.path.join(VENV_BIN, 'ansible-playbook')
-LAB_ID = os.environ.get('PCT_TEST_LAB_ID', 'conn01')
+LAB_ID = os.environ.get('PCT_TEST_LAB_ID') or 'conn01-' + hashlib.sha1(os.path.realpath(REPO).encode()).hexdigest()[:6]
 BIG = 50 * 1000 * 1000
 ODD_NAME = "dir with space/ünïcödé 'q' \"dq\" $(echo x) *.bin"
 PIPELINING = [pytest.param(True, id='pipelining'), pytest.param(False, id='no-pipelining')]

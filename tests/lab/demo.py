@@ -10,7 +10,7 @@
 5. Runs the playbook again: zero changed tasks.
 6. Checks that `labctl gpus` shows every GPU free and the monitor alive; tears the lab down.
 
-Exits 0 only when all of that is verified. Environment: LAB_ID (default "demo"),
+Exits 0 only when all of that is verified. Environment: LAB_ID (default "demo-" and six hex digits of the clone's path),
 DEMO_KEEP_LOGS=1 keeps the playbook logs (always printed on failure).
 """
 
@@ -23,13 +23,13 @@ import sys
 import tempfile
 import time
 
-from lablib.common import proc_state
+from lablib.common import clone_lab_id, proc_state
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
 VENV_BIN = os.path.dirname(os.path.abspath(sys.executable))
 PLAYBOOK = os.path.join(REPO, "playbooks", "release_gpus.yml")
-LAB_ID = os.environ.get("LAB_ID") or "demo"
+LAB_ID = os.environ.get("LAB_ID") or clone_lab_id("demo")
 # Each container sees 2 of its node's 8 GPUs, as NVML indexes 0 and 1.
 LAYOUT = {"101": [0, 1], "102": [2, 3], "103": [4, 5], "201": [0, 1], "202": [2, 3], "203": [4, 5]}
 # The container GPUs each workload uses (the monitor reads them all, holding none).

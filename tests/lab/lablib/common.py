@@ -27,6 +27,11 @@ def run_id(env=None, repo=REPO):
     return hashlib.sha1(os.path.realpath(repo).encode()).hexdigest()[:8]
 
 
+def clone_lab_id(name, repo=REPO):
+    """A test or demo lab name made unique to this clone, so runs from two clones never collide."""
+    return "%s-%s" % (name, hashlib.sha1(os.path.realpath(repo).encode()).hexdigest()[:6])
+
+
 def address_digits(rid):
     """Four hex digits for the address: RID itself when it is hex, else sha1(RID)."""
     if len(rid) >= 4 and all(c in "0123456789abcdef" for c in rid.lower()):

@@ -92,6 +92,7 @@ class Nvml(object):
         self.failed = {}         # index -> NvmlFailure (lost or hung GPU)
         self.handles = {}
         self.initialized = False
+        self.v2_missing = False  # NVML without the v2 memory call: poll v1 only
 
     # -- plumbing
     def _call(self, label, fn, *args, **kwargs):
@@ -194,17 +195,19 @@ class Nvml(object):
         handle = self.handle(index)
         v1 = self._gpu_call(index, "nvmlDeviceGetMemoryInfo", lib.nvmlDeviceGetMemoryInfo, handle)
         out = {"total_mib": v1.total // MIB, "v1_used_mib": v1.used // MIB,
-               "used_mib": None, "reserved_mib": None, "api": "v2"}
+               "used_mib": v1.used // MIB, "reserved_mib": None, "api": "v1"}
+        if self.v2_missing:
+            return out
         try:
             v2 = self._gpu_call(index, "nvmlDeviceGetMemoryInfo_v2", lib.nvmlDeviceGetMemoryInfo,
                                 handle, version=lib.nvmlMemory_v2)
-            out["used_mib"] = v2.used // MIB
-            out["reserved_mib"] = v2.reserved // MIB
         except NvmlFailure as exc:
             if exc.kind in ("hang", "lost"):
                 raise
-            out["api"] = "v1"
-            out["used_mib"] = v1.used // MIB
+            # Not supported or no such function: this NVML has no v2 call, so stop asking.
+            self.v2_missing = exc.code in (3, 13)
+            return out
+        out.update(used_mib=v2.used // MIB, reserved_mib=v2.reserved // MIB, api="v2")
         return out
 
     def processes(self, index):

@@ -267,11 +267,7 @@ class Releaser(object):
             self.rung = rung
 
     def _memory_free(self):
-        free = True
-        for index in self.targets:
-            if not self.engine.is_free(self.engine.memory(index)):
-                free = False
-        return free
+        return all(self.engine.is_free(self.engine.memory(index)) for index in self.targets)
 
     def _record(self, record, signame, outcome):
         action = {"time": round(time.time(), 3), "elapsed_s": round(self.now() - self.started, 3),

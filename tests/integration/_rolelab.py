@@ -11,7 +11,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LAB_DIR = os.path.join(REPO, "tests", "lab")
@@ -26,7 +25,7 @@ LAYOUT = {"101": [0, 1], "102": [2, 3], "103": [4, 5], "201": [0, 1], "202": [2,
 
 if LAB_DIR not in sys.path:
     sys.path.append(LAB_DIR)
-from lablib.common import clone_lab_id, proc_state  # noqa: E402  (the lab's stdlib helpers, shared with demo.py)
+from lablib.common import LabError, clone_lab_id, proc_state, wait_for  # noqa: E402  (the lab's stdlib helpers, shared with demo.py)
 
 
 class PlayResult:
@@ -173,12 +172,10 @@ def alive(pid):
 
 
 def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError("timed out waiting for %s" % what)
+    try:
+        wait_for(predicate, timeout, interval=0.05, what=what)
+    except LabError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def make_venv(path, with_pip=True):

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 
-from lablib.common import clone_lab_id, proc_state
+from lablib.common import LabError, clone_lab_id, proc_state, wait_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
@@ -71,12 +71,10 @@ def run_workload(scenario, node, vmid, gpus=(), mib=None, extra=()):
 
 
 def wait_until(predicate, timeout, what):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise DemoError("timed out waiting for %s" % what)
+    try:
+        wait_for(predicate, timeout, interval=0.05, what=what)
+    except LabError as exc:
+        raise DemoError(str(exc)) from None
 
 
 def used_by_container(gpus):

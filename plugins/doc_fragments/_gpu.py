@@ -56,8 +56,11 @@ notes:
   - Holders are found by reading C(/proc/PID/fd) and C(/proc/PID/maps) of every process (for a defunct thread-group
     leader, those of one of its live threads). A process that maps a C(/dev/nvidia*) node has a GPU context and is
     a holder; one that only has the files open (a monitor, an exporter, NVML itself) is a client.
-  - Device nodes are mapped to NVML devices by minor number, so a container that sees C(/dev/nvidia4) as NVML
-    index 0 is handled.
+  - Device nodes are mapped to NVML devices by minor number, taken from the node's C(st_rdev) when it is a character
+    device (so C(lxc.mount.entry /dev/nvidia3 dev/nvidia0) is seen as minor 3) and from its name otherwise; a container
+    that sees C(/dev/nvidia4) as NVML index 0 is handled.
+  - A mapping of a GPU's node means that the process has a CUDA context somewhere, not that it holds this GPU; every
+    CUDA process maps the node of every GPU visible to it. Where the memory is comes from NVML's per-GPU process lists.
   - The module's own process, its ancestors and its children are never counted.
   - NVML's process list is used as a hint only; inside a container it may name dead pids, hide processes of other
     PID namespaces, or (older drivers) give host pids.

@@ -12,7 +12,9 @@ import os
 import pwd
 import sys
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils._jobs import find_jobs
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
     HAS_PYNVML, PYNVML_IMPORT_ERROR, Nvml, NvmlFailure,
 )
@@ -153,6 +155,7 @@ class Engine(object):
         self.in_container = in_container(proc_root)
         self._ticks = _clock_ticks()
         self._btime = _boot_time(proc_root)
+        self._minor_cache = {}
 
     # -- setup
     def start(self):
@@ -220,8 +223,8 @@ class Engine(object):
                 break
         return argv
 
-    def details(self, entry, minor_index, nvml_named):
-        """The per-process record gpu_status returns."""
+    def details(self, entry, minor_index):
+        """The per-process record gpu_status returns (pinning fields are set later)."""
         pid = entry.pid
         status = {}
         try:
@@ -236,14 +239,24 @@ class Engine(object):
             cgroup = procscan.parse_cgroup(procscan.read_text("%s/%d/cgroup" % (self.proc_root, pid)))
         except OSError:
             pass
-        gpu_minors = sorted(set(c[1] for c in (self.devices.classify(p) for p in entry.map_devices) if c and c[0] == "gpu"))
-        fd_minors = sorted(set(c[1] for c in (self.devices.classify(p) for p in entry.fd_devices) if c and c[0] == "gpu"))
-        gpus = sorted(set(minor_index[m] for m in gpu_minors if m in minor_index))
+        root = "%s/%d/root" % (self.proc_root, entry.table_tid if entry.defunct_leader else pid)
+        map_lines = {}
+        for path, lines in entry.map_counts.items():
+            minor = self._minor(path, root)
+            if minor is not None:
+                map_lines[minor] = map_lines.get(minor, 0) + lines
+        fd_minors = sorted(set(m for m in (self._minor(p, root) for p in entry.fd_devices) if m is not None))
+        gpu_minors = sorted(map_lines)
+        maps_gpus = sorted(minor_index[m] for m in gpu_minors if m in minor_index)
+        context_gpus = sorted(minor_index[m] for m, n in map_lines.items()
+                              if m in minor_index and n >= pinning.CONTEXT_MAP_LINES)
         live = sum(n for s, n in counts.items() if s not in ("Z", "X"))
         names = _names_of(pid, entry.comm, argv, self.proc_root)
         record = {
             "pid": pid,
             "ppid": entry.ppid,
+            "pgrp": entry.pgrp,
+            "session": entry.session,
             "name": status.get("name") or entry.comm,
             "user": _user(status.get("uid")),
             "create_time": self.create_time(entry.starttime),
@@ -260,9 +273,17 @@ class Engine(object):
             "mapped_devices": list(entry.map_devices),
             "gpu_minors": gpu_minors,
             "fd_gpu_minors": fd_minors,
-            "gpus": gpus,
-            "unattributed": entry.is_holder and not gpu_minors,
-            "nvml_named_on": sorted(nvml_named.get(pid, ())),
+            "map_lines": dict((str(minor_index.get(m, "minor%d" % m)), n) for m, n in sorted(map_lines.items())),
+            "maps_gpus": maps_gpus,
+            "context_gpus": context_gpus,
+            "gpus": [],
+            "evidence": [],
+            "ambiguous_gpus": [],
+            "shares_mib": {},
+            "heir_of": [],
+            "job": None,
+            "unattributed": False,
+            "nvml_named_on": [],
             "nspid": status.get("nspid"),
             "cgroup": cgroup,
             "parent_name": parent["comm"] if parent else None,
@@ -271,40 +292,79 @@ class Engine(object):
             "cmdline": redact_argv(argv, self.redact_patterns) if (self.with_cmdline and argv) else None,
         }
         record["_argv"] = argv  # for `match`/`protect`, never returned
+        record["_sockets"] = list(entry.sockets)
         return record
+
+    def _minor(self, path, root):
+        key = (root, path)
+        if key not in self._minor_cache:
+            self._minor_cache[key] = procscan.gpu_minor(path, self.devices, root)
+        return self._minor_cache[key]
+
+    def _nvml_status(self, pid, records, own_tree):
+        """How a pid NVML names compares with /proc: holder, client, own_tree, not_holder or not_visible."""
+        record = records.get(pid)
+        if record is not None:
+            return "holder" if record["holder"] else "client"
+        stat = procscan.read_stat(pid, self.proc_root)
+        if stat is None or (stat["state"] in ("Z", "X") and stat["num_threads"] <= 1):
+            return "not_visible"
+        if pid in own_tree:
+            return "own_tree"
+        return "not_holder"
 
     # -- the whole picture
     def snapshot(self, targets):
-        """Report for the targeted GPU indexes (every field gpu_status returns)."""
+        """Report for the targeted GPU indexes (every field gpu_status returns).
+
+        NVML is read for every GPU, since where a holder's memory is decides
+        whether stopping it frees, or hits, a GPU that is not targeted.
+        """
+        self._minor_cache = {}
         scan = self.scan()
+        own_tree = self.own_tree_skip()
         minor_index = self.minor_to_index()
-        gpu_reports = []
-        nvml_named = {}
-        nvml_lists = {}
-        for index in targets:
-            gpu = self.gpu(index) or {"index": index}
+        records = dict((pid, self.details(entry, minor_index)) for pid, entry in scan.entries.items())
+        views = {}
+        for gpu in self.gpus:
+            index = gpu["index"]
+            view = {"procs": None, "used_mib": None, "memory": None, "error": gpu.get("error"),
+                    "error_kind": gpu.get("error_kind")}
+            views[index] = view
             if gpu.get("error"):
-                nvml_lists[index] = None
                 continue
             try:
-                nvml_lists[index] = self.nvml.processes(index)
-            except NvmlFailure:
-                nvml_lists[index] = None
+                listed = self.nvml.processes(index)
+            except NvmlFailure as exc:
+                view.update(error="NVML could not list the GPU's processes: %s" % exc.message, error_kind=exc.kind)
                 continue
-            for proc in nvml_lists[index]:
-                nvml_named.setdefault(proc["pid"], set()).add(index)
-        records = {}
-        for pid, entry in scan.entries.items():
-            records[pid] = self.details(entry, minor_index, nvml_named)
+            mem = self.memory(index)
+            if "error" in mem:
+                view.update(error=mem["error"], error_kind=mem["error_kind"])
+            else:
+                view.update(memory=mem, used_mib=mem["used_mib"])
+            view["procs"] = [dict(p, status=self._nvml_status(p["pid"], records, own_tree)) for p in listed]
+        untrusted = sorted(set(p["pid"] for v in views.values() for p in v["procs"] or () if p["status"] == "not_holder"))
         holders = [r for r in records.values() if r["holder"]]
         clients = [r for r in records.values() if not r["holder"]]
-        for index in targets:
-            gpu_reports.append(self._gpu_report(index, holders, clients, nvml_lists.get(index), records))
+        for view_index, view in views.items():
+            for proc in view["procs"] or ():
+                if proc["pid"] in records:
+                    records[proc["pid"]]["nvml_named_on"].append(view_index)
+        orphans = pinning.pin(holders, views, trusted=not untrusted, slack_mib=self.threshold_mib)
+        for record in holders:
+            record["unattributed"] = not record["gpus"]
+        jobs = find_jobs(holders, self.proc_root)
+        residue = pinning.residue(orphans, holders, jobs)
+        gpu_reports = [self._gpu_report(index, views[index], holders, clients, orphans, jobs, residue, not untrusted)
+                       for index in targets]
         report = Report(self, targets, gpu_reports, holders, clients, scan)
+        report.views, report.orphans, report.jobs, report.residue = views, orphans, jobs, residue
+        report.untrusted_pids = untrusted
         report.diagnosis = diagnose(report)
         return report
 
-    def _gpu_report(self, index, holders, clients, nvml_list, records):
+    def _gpu_report(self, index, view, holders, clients, orphans, jobs, residue, trusted):
         gpu = self.gpu(index) or {"index": index}
         minor = gpu.get("minor")
         out = {
@@ -313,53 +373,40 @@ class Engine(object):
             "uuid": gpu.get("uuid"),
             "pci_bus_id": gpu.get("pci_bus_id"),
             "name": gpu.get("name"),
+            "holders": sorted(h["pid"] for h in holders if index in h["gpus"]),
+            "ambiguous": sorted(h["pid"] for h in holders if index in h["ambiguous_gpus"]),
+            "mapped_by": sorted(h["pid"] for h in holders if index in h["maps_gpus"]),
+            "clients": sorted(c["pid"] for c in clients if minor in c["fd_gpu_minors"]),
+            "residue": None,
+            "nvml_pids_trusted": trusted,
         }
-        if gpu.get("error"):
-            out.update({"memory": None, "free": False, "holders": [], "clients": [], "nvml_processes": [],
-                        "unattributed_mib": None, "error": gpu["error"], "error_kind": gpu.get("error_kind")})
+        if view["error"] or view["memory"] is None:
+            out.update({"memory": view["memory"], "free": False, "nvml_processes": [], "unattributed_mib": None,
+                        "error": view["error"] or "NVML gave no memory figures", "error_kind": view["error_kind"]})
             return out
-        mem = self.memory(index)
-        pinned = [h for h in holders if minor in h["gpu_minors"]]
-        named_unattributed = [h for h in holders if h["unattributed"] and index in h["nvml_named_on"]]
-        out["holders"] = sorted(h["pid"] for h in pinned + named_unattributed)
-        out["clients"] = sorted(c["pid"] for c in clients if minor in c["fd_gpu_minors"])
-        if "error" in mem:
-            out.update({"memory": None, "free": False, "nvml_processes": [], "unattributed_mib": None,
-                        "error": mem["error"], "error_kind": mem["error_kind"]})
-            return out
-        if nvml_list is None:
-            out.update({"memory": mem, "free": False, "nvml_processes": [], "unattributed_mib": None,
-                        "error": "NVML could not list the GPU's processes", "error_kind": "error"})
-            return out
-        out["memory"] = {k: mem[k] for k in ("total_mib", "used_mib", "reserved_mib", "v1_used_mib")}
+        mem = view["memory"]
+        out["memory"] = dict((k, mem[k]) for k in ("total_mib", "used_mib", "reserved_mib", "v1_used_mib"))
         if mem.get("api") == "v1":
             out["memory"]["note"] = "this driver has no v2 memory info: used is v1 used, floor included"
         out["free"] = self.is_free(mem)
-        procs = []
-        listed = 0
-        for proc in nvml_list:
-            record = records.get(proc["pid"])
-            if record is not None and record["holder"]:
-                status = "holder"
-                note = "holds this GPU here" if (minor in record["gpu_minors"] or record["unattributed"]) else \
-                    "is a holder here, of another GPU"
-            elif record is not None:
-                status = "client"
-                note = "only has device files open here (an NVML client), no context"
-            elif procscan.read_stat(proc["pid"], self.proc_root) is not None:
-                status = "not_holder"
-                note = ("exists here but holds no /dev/nvidia* node: the driver may report host pids "
-                        "(legacy), or the pid was reused")
-            else:
-                status = "not_visible"
-                note = ("not visible here: the process no longer exists, or it lives outside this PID "
-                        "namespace (on the node or in another container)" if self.in_container
-                        else "not visible here: the process no longer exists")
-            listed += proc["used_mib"] or 0
-            procs.append({"pid": proc["pid"], "used_mib": proc["used_mib"], "status": status,
-                          "matches_holder": status == "holder", "note": note})
-        out["nvml_processes"] = procs
-        out["unattributed_mib"] = max(0, (mem["used_mib"] or 0) - listed) if not out["free"] else 0
+        notes = {
+            "holder": "holds this GPU here",
+            "client": "only has device files open here (an NVML client), no context",
+            "own_tree": "part of this module's own process tree",
+            "not_holder": "exists here but maps no /dev/nvidia* node: the driver reports host pids (legacy), or the "
+                          "pid was reused; NVML's pids are not trusted in this snapshot",
+            "not_visible": ("not visible here: the process no longer exists, or it lives outside this PID namespace "
+                            "(on the node or in another container)" if self.in_container
+                            else "not visible here: the process no longer exists"),
+        }
+        out["nvml_processes"] = [{"pid": p["pid"], "used_mib": p["used_mib"], "status": p["status"],
+                                  "matches_holder": p["status"] == "holder", "note": notes[p["status"]]}
+                                 for p in view["procs"]]
+        orphan = orphans.get(index)
+        out["unattributed_mib"] = orphan["unaccounted"] if (orphan and not out["free"]) else 0
+        if index in residue:
+            job = jobs[residue[index]]
+            out["residue"] = {"job": job["id"], "pids": job["pids"], "mib": pinning.orphan_mib(orphan)}
         out["error"] = None
         return out
 
@@ -378,6 +425,8 @@ class Report(object):
             self.zombies.append({"pid": zombie["pid"], "name": zombie["comm"], "ppid": zombie["ppid"],
                                  "parent_name": parent["comm"] if parent else None, "holds": []})
         self.diagnosis = []
+        self.views, self.orphans, self.jobs, self.residue = {}, {}, {}, {}
+        self.untrusted_pids = []
 
     @property
     def all_free(self):
@@ -393,15 +442,28 @@ class Report(object):
                 return record
         return None
 
+    def job_gpus(self, job_id):
+        """The GPUs a job's members are pinned to, plus those holding its residue."""
+        job = self.jobs[job_id]
+        gpus = set(g for m in job["members"] for g in m["gpus"])
+        gpus.update(index for index, owner in self.residue.items() if owner == job_id)
+        return sorted(gpus)
+
     def as_dict(self):
         def clean(record):
-            return dict((k, v) for k, v in record.items() if not k.startswith("_"))
+            out = dict((k, v) for k, v in record.items() if not k.startswith("_"))
+            if "shares_mib" in out:
+                out["shares_mib"] = dict((str(k), v) for k, v in sorted(out["shares_mib"].items()))
+            return out
         return {
             "gpus": self.gpus,
             "holders": [clean(h) for h in self.holders],
             "clients": [clean(c) for c in self.clients],
             "zombies": self.zombies,
+            "jobs": [{"id": job["id"], "pids": job["pids"], "gpus": self.job_gpus(job["id"])}
+                     for job in sorted(self.jobs.values(), key=lambda j: j["id"])],
             "holders_unattributed": [h["pid"] for h in self.holders if h["unattributed"]],
+            "nvml_pids_trusted": not self.untrusted_pids,
             "all_free": self.all_free,
             "driver_version": self.engine.driver_version,
             "in_container": self.engine.in_container,
@@ -417,100 +479,127 @@ def _devices_text(paths):
     return ", ".join(paths) if paths else "no device"
 
 
-def _heir_of_dead_pid(report, record):
-    """A holder NVML does not name, on a GPU where NVML names a pid not visible here (row 5)."""
-    for gpu in report.gpus:
-        if gpu.get("error") or gpu["free"] or record["pid"] not in gpu.get("holders", ()):
-            continue
-        procs = gpu.get("nvml_processes") or ()
-        if record["pid"] not in [p["pid"] for p in procs] and [p for p in procs if p["status"] == "not_visible"]:
-            return True
-    return False
+def _gpu_list(indexes):
+    return ("GPU " if len(indexes) == 1 else "GPUs ") + ", ".join(str(i) for i in indexes)
+
+
+def _held_text(record):
+    """'GPU 1 (4.4 GiB by NVML)' for what a holder is pinned to."""
+    parts = []
+    for index in record["gpus"]:
+        mib = record["shares_mib"].get(index)
+        parts.append("GPU %d (%s%s)" % (index, fmt_mib(mib), " by NVML" if "nvml" in record["evidence"] else ""))
+    return ", ".join(parts)
+
+
+def _holder_lines(report, record):
+    """What holds what, for a holder of a targeted GPU."""
+    pid = record["pid"]
+    held = _held_text(record)
+    if record["blocked_threads"]:
+        out = []
+        for thread in record["blocked_threads"]:
+            stack = "; kernel stack: %s" % " <- ".join(thread["stack"][:6]) if thread.get("stack") else ""
+            out.append("%s has thread %d in D state (wchan %s) holding %s: it is stuck in the kernel and SIGKILL "
+                       "takes effect only when that call returns; a GPU reset is refused while it holds the GPU; "
+                       "restarting its container (or the node) frees it%s"
+                       % (_pname(record), thread["tid"], thread.get("wchan") or "unknown", held or "a context", stack))
+        return out
+    if record["defunct_leader"]:
+        return ["%s is a defunct leader with %d live threads holding %s; SIGKILL to %d frees it; fuser does not see it"
+                % (_pname(record), record["live_threads"] or 0, held, pid)]
+    if "nvml" not in record["evidence"]:
+        lines = []
+        for index in record["gpus"]:
+            orphan = report.orphans.get(index, {"dead": [], "unaccounted": 0})
+            dead = ", ".join("pid %d" % p for p, dummy in orphan["dead"])
+            gone = "not visible here" if report.engine.in_container else "which no longer exists"
+            if dead:
+                where = "NVML names %s on GPU %d, %s" % (dead, index, gone)
+            else:
+                where = "GPU %d has %s that no process NVML lists accounts for" % (index, fmt_mib(orphan["unaccounted"]))
+            heir = [p for p in record["heir_of"] if p in [d for d, dummy in orphan["dead"]]]
+            kin = (", its forked child (its %s is %d)" % ("process group" if heir[0] == record["pgrp"] else "session",
+                                                          heir[0])) if heir else ""
+            lines.append("%s; the memory is held by %s%s, the only holder NVML does not name that maps a context on "
+                         "GPU %d; SIGKILL to %d frees it" % (where, _pname(record), kin, index, pid))
+        return lines
+    if "fd" not in record["via"]:
+        return ["%s has no /dev/nvidia* file open but maps %s (fuser shows it only with access m); it holds %s; "
+                "SIGKILL to %d frees it" % (_pname(record), _devices_text(record["mapped_devices"]), held, pid)]
+    return ["%s holds %s; SIGTERM, then SIGKILL to %d frees it" % (_pname(record), held, pid)]
 
 
 def diagnose(report):
     """Plain sentences, one per finding, each naming the pid and the remedy."""
     lines = []
     engine = report.engine
-    targeted_minors = set(g["minor"] for g in report.gpus if g.get("minor") is not None)
+    targets = set(report.targets)
     for gpu in report.gpus:
         if gpu.get("error"):
             lines.append("GPU %s%s: %s; its memory state is unknown, so it is not reported free"
                          % (gpu["index"], " (%s)" % gpu["uuid"] if gpu.get("uuid") else "", gpu["error"]))
+    for pid in report.untrusted_pids:
+        named_on = sorted(i for i, v in report.views.items() for p in v["procs"] or () if p["pid"] == pid)
+        lines.append("NVML names pid %d on %s, but pid %d here maps no /dev/nvidia* node: the driver reports host pids "
+                     "(legacy) or the pid was reused; NVML's pids are not trusted in this snapshot, so holders are "
+                     "pinned by their mappings alone, and pid %d is never signalled" % (pid, _gpu_list(named_on), pid, pid))
     for record in report.holders:
-        relevant = record["unattributed"] or targeted_minors.intersection(record["gpu_minors"])
-        if not relevant:
-            continue
-        devs = _devices_text(record["mapped_devices"])
-        if record["blocked_threads"]:
-            for thread in record["blocked_threads"]:
-                stack = ""
-                if thread.get("stack"):
-                    stack = "; kernel stack: %s" % " <- ".join(thread["stack"][:6])
-                lines.append("%s has thread %d in D state (wchan %s) holding %s: it is stuck in the kernel and "
-                             "SIGKILL takes effect only when that call returns; a GPU reset is refused while it holds "
-                             "the GPU; restarting its container (or the node) frees it%s"
-                             % (_pname(record), thread["tid"], thread.get("wchan") or "unknown", devs, stack))
-        elif record["defunct_leader"]:
-            lines.append("%s is a defunct leader with %d live threads holding %s; SIGKILL to %d frees it; "
-                         "fuser does not see it" % (_pname(record), record["live_threads"] or 0, devs, record["pid"]))
-        elif record["unattributed"]:
-            lines.append("%s maps only %s: it holds a context that cannot be pinned to one GPU (all GPUs, "
-                         "unattributed); SIGKILL to %d frees it" % (_pname(record), devs, record["pid"]))
-        elif "fd" not in record["via"]:
-            lines.append("%s has no /dev/nvidia* file open but maps %s (fuser shows it only with access m); "
-                         "SIGKILL to %d frees it" % (_pname(record), devs, record["pid"]))
-        elif not _heir_of_dead_pid(report, record):
-            used = [p["used_mib"] for g in report.gpus for p in g.get("nvml_processes") or ()
-                    if p["pid"] == record["pid"] and p["used_mib"] is not None]
-            lines.append("%s holds %s (%s)%s; SIGTERM, then SIGKILL to %d frees it"
-                         % (_pname(record), devs, ", ".join(record["via"]),
-                            " with %s by NVML" % fmt_mib(sum(used)) if used else "", record["pid"]))
+        if targets & set(record["gpus"]):
+            lines.extend(_holder_lines(report, record))
+            others = [i for i in record["gpus"] if i not in targets]
+            if others:
+                lines.append("%s also holds %s, which %s not selected: stopping it stops its work there too"
+                             % (_pname(record), ", ".join("GPU %d (%s)" % (i, fmt_mib(record["shares_mib"].get(i)))
+                                                          for i in others), "is" if len(others) == 1 else "are"))
+        elif not record["gpus"] and (targets & set(record["ambiguous_gpus"] + record["context_gpus"])
+                                     or not record["maps_gpus"]):
+            if record["ambiguous_gpus"]:
+                rivals = sorted(set(p for i in record["ambiguous_gpus"] for p in
+                                    [h["pid"] for h in report.holders if i in h["ambiguous_gpus"]]) - set([record["pid"]]))
+                why = ("%s and %s each map a context on %s, where NVML shows memory no visible process it names "
+                       "accounts for: the evidence fits both, so neither is pinned"
+                       % (_pname(record), ", ".join("pid %d" % p for p in rivals), _gpu_list(record["ambiguous_gpus"])))
+            elif record["maps_gpus"]:
+                why = ("%s maps a context on %s but NVML does not name it and shows no memory there that no visible "
+                       "process accounts for: it is not pinned to any GPU" % (_pname(record), _gpu_list(record["context_gpus"])))
+            else:
+                why = "%s maps only %s: it has a context that no evidence pins to a GPU" % (
+                    _pname(record), _devices_text(record["mapped_devices"]))
+            lines.append("%s; it is signalled only when every GPU it maps (%s) is targeted"
+                         % (why, ", ".join(str(i) for i in record["maps_gpus"]) or "every GPU"))
     for gpu in report.gpus:
         if gpu.get("error") or gpu["free"]:
             continue
         label = "GPU %d (minor %s)" % (gpu["index"], gpu["minor"])
-        not_visible = [p for p in gpu["nvml_processes"] if p["status"] == "not_visible"]
-        named = set(p["pid"] for p in gpu["nvml_processes"])
-        unnamed_holders = [report.holder(pid) for pid in gpu["holders"] if pid not in named]
-        unnamed_holders = [h for h in unnamed_holders if h is not None and not h["defunct_leader"]]
-        where = ("which no longer exists, or lives outside this container's PID namespace"
-                 if engine.in_container else "which no longer exists")
-        dead_pids = sorted(p["pid"] for p in not_visible)
-        for proc in not_visible:
-            # pair a dead pid with the holders started after it (child pids follow their parent's)
-            later = [p for p in dead_pids if p > proc["pid"]]
-            upper = later[0] if later else None
-            children = [h for h in unnamed_holders if h["pid"] > proc["pid"] and (upper is None or h["pid"] < upper)]
-            children = children or unnamed_holders
-            if children:
-                parts = []
-                for holder in children:
-                    how = " and ".join({"fd": "inherited fds", "mmap": "mappings"}.get(v, v) for v in holder["via"])
-                    parts.append("%s, probably its forked child, through %s of %s"
-                                 % (_pname(holder), how, _devices_text(holder["mapped_devices"] or holder["fd_devices"])))
-                lines.append("NVML names pid %d on %s, %s; the memory is held by %s; SIGKILL to %s frees it"
-                             % (proc["pid"], label, where, "; and by ".join(parts),
-                                ", ".join(str(h["pid"]) for h in children)))
-            else:
-                lines.append("NVML names pid %d on %s with %s, %s; no process visible here holds the GPU%s"
-                             % (proc["pid"], label, fmt_mib(proc["used_mib"]), where,
-                                "; look from the node" if engine.in_container else ""))
-        for proc in gpu["nvml_processes"]:
-            if proc["status"] == "not_holder":
-                lines.append("NVML names pid %d on %s, but pid %d here holds no /dev/nvidia* node: the driver "
-                             "reports host pids (legacy) or the pid was reused; it is not signalled"
-                             % (proc["pid"], label, proc["pid"]))
-        if gpu["unattributed_mib"] and not gpu["holders"] and not [h for h in report.holders if h["unattributed"]] \
-                and not not_visible:
+        index = gpu["index"]
+        orphan = report.orphans.get(index)
+        if gpu["residue"]:
+            residue = gpu["residue"]
+            lines.append("%s: %s are held by the surviving ranks of the job of pid %d (pids %s): a rank of that job "
+                         "died and its peers keep part of its memory here, which NVML charges to no one; the GPU is "
+                         "free only when the whole job stops (collateral: stop, or target %s)"
+                         % (label, fmt_mib(residue["mib"]), residue["job"], ", ".join(str(p) for p in residue["pids"]),
+                            _gpu_list(report.job_gpus(residue["job"]))))
+            continue
+        if not orphan or gpu["holders"] or gpu["ambiguous"]:
+            continue
+        for dead_pid, mib in orphan["dead"]:
+            lines.append("NVML names pid %d on %s with %s, %s; no process visible here maps a context on it%s"
+                         % (dead_pid, label, fmt_mib(mib),
+                            "which no longer exists, or lives outside this container's PID namespace"
+                            if engine.in_container else "which no longer exists",
+                            "; look from the node" if engine.in_container else ""))
+        if orphan["unaccounted"]:
             lines.append("%s: %s is used by no process visible here; look from the node; if nothing holds it "
                          "there either, only a GPU reset frees it (gpu_release with gpu_reset: true)"
-                         % (label, fmt_mib(gpu["unattributed_mib"])))
+                         % (label, fmt_mib(orphan["unaccounted"])))
     for zombie in [z for z in report.zombies if z["ppid"] > 1][:5]:
         lines.append("pid %d (%s) is a zombie holding nothing; its parent %s has not reaped it; it holds no GPU "
                      "memory, and killing or fixing the parent only removes the process-table entry"
                      % (zombie["pid"], zombie["name"],
                         "%d (%s)" % (zombie["ppid"], zombie["parent_name"]) if zombie["parent_name"] else str(zombie["ppid"])))
+    targeted_minors = set(g["minor"] for g in report.gpus if g.get("minor") is not None)
     for record in report.clients:
         if targeted_minors.intersection(record["fd_gpu_minors"]) or not record["fd_gpu_minors"]:
             lines.append("%s only has %s open and maps none: an NVML client (a monitor or exporter), not a "

@@ -11,10 +11,13 @@ from __future__ import annotations
 import errno
 import os
 import re
+import stat as stat_mod
 import threading
 
 _GONE = (errno.ENOENT, errno.ESRCH)
 DELETED = " (deleted)"
+NVIDIA_MAJOR = 195       # /dev/nvidiaN is 195:N; 254 is nvidia-modeset, 255 nvidiactl
+SOCKET_PREFIX = "socket:["
 
 
 def read_bytes(path):
@@ -37,10 +40,11 @@ def read_text(path):
 
 
 class DeviceNames(object):
-    """Recognises NVIDIA device paths under dev_dir (default /dev), by name only.
+    """Recognises NVIDIA device paths under dev_dir (default /dev) by name.
 
-    In the lab the nodes are regular files bind-mounted at those paths, so the
-    file type is never checked.
+    Which GPU a /dev/nvidiaN node is comes from gpu_minor(): its st_rdev when it
+    is a character device (Proxmox may bind /dev/nvidia3 at /dev/nvidia0), its
+    name only when it is not (the lab's regular files).
     """
 
     def __init__(self, dev_dir="/dev"):
@@ -81,6 +85,8 @@ def parse_stat(text):
         "comm": comm,
         "state": fields[0],
         "ppid": int(fields[1]),
+        "pgrp": int(fields[2]),
+        "session": int(fields[3]),
         "num_threads": int(fields[17]),
         "starttime": int(fields[19]),
     }
@@ -106,20 +112,68 @@ def parse_status(text):
     return out
 
 
-def parse_maps_devices(data, devices):
-    """Device paths named in /proc/PID/maps text (bytes or str), sorted, without ' (deleted)'."""
+def parse_maps_counts(data, devices):
+    """{device path: number of mapping lines} from /proc/PID/maps text (bytes or str), ' (deleted)' stripped."""
     if isinstance(data, bytes):
         if devices.marker not in data:
-            return []
+            return {}
         data = data.decode("utf-8", "replace")
-    found = set()
+    counts = {}
     for line in data.splitlines():
         parts = line.split(None, 5)
         if len(parts) == 6:
             path = parts[5]
             if devices.classify(path):
-                found.add(devices.strip(path))
-    return sorted(found)
+                path = devices.strip(path)
+                counts[path] = counts.get(path, 0) + 1
+    return counts
+
+
+def parse_maps_devices(data, devices):
+    """Device paths named in /proc/PID/maps text (bytes or str), sorted, without ' (deleted)'."""
+    return sorted(parse_maps_counts(data, devices))
+
+
+def gpu_minor(path, devices, root="/"):
+    """Minor of the GPU behind a /dev/nvidiaN path seen under root, or None for other nodes.
+
+    A character device is identified by st_rdev, anything else (the lab) by its name.
+    """
+    kind = devices.classify(path)
+    if not kind or kind[0] != "gpu":
+        return None
+    try:
+        st = os.stat(os.path.join(root, devices.strip(path).lstrip("/")))
+    except OSError:
+        return kind[1]
+    if stat_mod.S_ISCHR(st.st_mode):
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        return minor if major == NVIDIA_MAJOR and minor < 254 else None
+    return kind[1]
+
+
+def parse_tcp_table(text):
+    """Established TCP sockets of /proc/PID/net/tcp or tcp6 text: [(inode, local, remote)]."""
+    out = []
+    for line in text.splitlines()[1:]:
+        fields = line.split()
+        if len(fields) < 10 or fields[3] != "01":  # 01: ESTABLISHED
+            continue
+        try:
+            inode = int(fields[9])
+        except ValueError:
+            continue
+        if inode:
+            out.append((inode, fields[1], fields[2]))
+    return out
+
+
+def namespace_inode(pid, kind, proc_root="/proc"):
+    """Inode of /proc/PID/ns/KIND, or None."""
+    try:
+        return os.stat("%s/%d/ns/%s" % (proc_root, pid, kind)).st_ino
+    except OSError:
+        return None
 
 
 def parse_cgroup(text):
@@ -139,8 +193,8 @@ def parse_cgroup(text):
 class ProcEntry(object):
     """One process that has a device node open or mapped."""
 
-    __slots__ = ("pid", "comm", "state", "ppid", "num_threads", "starttime",
-                 "fd_devices", "map_devices", "via", "table_tid", "defunct_leader")
+    __slots__ = ("pid", "comm", "state", "ppid", "num_threads", "starttime", "pgrp", "session",
+                 "fd_devices", "map_devices", "map_counts", "sockets", "via", "table_tid", "defunct_leader")
 
     def __init__(self, pid, stat):
         self.pid = pid
@@ -149,8 +203,12 @@ class ProcEntry(object):
         self.ppid = stat.get("ppid") if stat else None
         self.num_threads = stat.get("num_threads") if stat else None
         self.starttime = stat.get("starttime") if stat else None
+        self.pgrp = stat.get("pgrp") if stat else None
+        self.session = stat.get("session") if stat else None
         self.fd_devices = []
         self.map_devices = []
+        self.map_counts = {}     # device path -> mapping lines (3 for a context on this driver, row 12)
+        self.sockets = []        # socket inodes among its fds
         self.via = []
         self.table_tid = pid
         self.defunct_leader = False
@@ -170,7 +228,7 @@ class ScanResult(object):
 
 
 def _read_fd_devices(fd_dir, devices):
-    """readlink every entry of an fd directory; return matching device paths."""
+    """readlink every entry of an fd directory; return (matching device paths, socket inodes), or None if gone."""
     try:
         dir_fd = os.open(fd_dir, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
@@ -178,6 +236,7 @@ def _read_fd_devices(fd_dir, devices):
             return None
         raise
     found = set()
+    sockets = []
     marker = devices.marker.decode()
     readlink = os.readlink
     try:
@@ -186,11 +245,14 @@ def _read_fd_devices(fd_dir, devices):
                 target = readlink(name, dir_fd=dir_fd)
             except OSError:
                 continue
-            if target.startswith(marker) and devices.classify(target):
-                found.add(devices.strip(target))
+            if target.startswith(marker):
+                if devices.classify(target):
+                    found.add(devices.strip(target))
+            elif target.startswith(SOCKET_PREFIX):
+                sockets.append(target)
     finally:
         os.close(dir_fd)
-    return sorted(found)
+    return sorted(found), sockets
 
 
 def live_thread(proc_root, pid):
@@ -286,15 +348,18 @@ def _scan_pids(proc_root, devices, pids, result):
                 result.unreadable.append(pid)
             else:
                 continue  # no address space: kernel thread
-        mapped = parse_maps_devices(maps, devices) if maps and marker in maps else []
+        map_counts = parse_maps_counts(maps, devices) if maps and marker in maps else {}
+        mapped = sorted(map_counts)
+        sockets = []
         try:
-            fds = _read_fd_devices(table_base + "/fd", devices)
+            fd_read = _read_fd_devices(table_base + "/fd", devices)
         except OSError:
-            fds = []
+            fd_read = ([], [])
             if pid not in result.unreadable:
                 result.unreadable.append(pid)
-        if fds is None:
+        if fd_read is None:
             continue
+        fds, sockets = fd_read
         if not mapped and not fds:
             continue
         if stat is None:
@@ -305,6 +370,8 @@ def _scan_pids(proc_root, devices, pids, result):
         entry = ProcEntry(pid, stat)
         entry.fd_devices = fds
         entry.map_devices = mapped
+        entry.map_counts = map_counts
+        entry.sockets = [int(s[len(SOCKET_PREFIX):-1]) for s in sockets if s.endswith("]")]
         entry.table_tid = table_tid
         entry.defunct_leader = defunct
         if defunct:

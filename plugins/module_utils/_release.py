@@ -16,6 +16,7 @@ import signal
 import subprocess
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import matches
 
@@ -32,6 +33,8 @@ RUNGS = ("none", "sigterm", "sigkill", "wait", "reset")
 POLL_S = 0.075
 GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wait for its memory
 RESPAWN_WINDOW_S = 3.0   # how long to watch a supervisor after its child was killed
+HEIR_ROUNDS = 3          # re-reads after the signals, for holders pinned only once their parent is dead
+HEIR_WAIT_S = 0.3        # memory of a reaped holder is back 0.12-0.2 s after SIGKILL (GPU_FACTS row 2)
 SUPERVISOR_RE = re.compile(r"(^|/)(supervisord|systemd|init|runsv|runsvdir|s6-supervise|monit|circusd|pm2|tini|dumb-init)\b")
 NVIDIA_SMI_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/local/nvidia/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
@@ -57,47 +60,165 @@ def is_supervisor(names, cmdline):
     return any(SUPERVISOR_RE.search(n) for n in names) or bool(cmdline and SUPERVISOR_RE.search(cmdline.split(" ")[0]))
 
 
-def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_pids=()):
-    """Split the holders of the targeted GPUs into those to signal and those left alone (with why).
+COLLATERAL_CHOICES = ("refuse", "stop")
+
+
+def _mib_list(pairs):
+    return ", ".join("GPU %d (%s)" % (index, "an unknown amount" if mib is None else "%d MiB" % mib)
+                     for index, mib in pairs)
+
+
+def _unpinned_reason(record, why):
+    mapped = ", ".join(str(i) for i in record["maps_gpus"]) or "none"
+    if why == "ambiguous":
+        return ("ambiguous: the evidence on GPU %s fits more than one holder, so it is not pinned; it maps GPUs %s "
+                "and is signalled only when all of them are targeted"
+                % (", ".join(str(i) for i in record["ambiguous_gpus"]), mapped))
+    return ("not pinned to any GPU (NVML does not name it and shows no orphaned memory where it maps a context); it "
+            "maps GPUs %s and is signalled only when all of them are targeted" % mapped)
+
+
+class Decision(object):
+    """Who gets signalled, who is left alone and why, and what would stop the task before any signal."""
+
+    def __init__(self):
+        self.to_signal = []     # records, each with "_why"
+        self.skipped = []       # {pid, name, reason}
+        self.refusals = []      # messages; any of them fails the task before a signal
+        self.jobs = {}          # job id -> {"id", "pids", "gpus"} of the jobs touched
+
+
+def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_pids=(), collateral="refuse",
+           tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB):
+    """Split the holders of the targeted GPUs into those to signal and those left alone, with collateral checks.
 
     Pure: works on a Report's records, so it can be tested on recorded states.
     """
     targets = set(targets)
     all_targeted = set(all_gpu_indexes) <= targets
-    to_signal, skipped = [], []
-    for record in report.holders:
-        pinned = targets.intersection(record["gpus"])
-        if record["unattributed"]:
-            pinned = pinned or targets.intersection(record["nvml_named_on"])
-        if not pinned:
-            if record["unattributed"] and not record["gpus"]:
-                if not all_targeted:
-                    skipped.append(_skip(record, "its context cannot be pinned to one GPU (only %s mapped) and not "
-                                                 "every GPU is targeted" % ", ".join(record["mapped_devices"])))
-                    continue
-            else:
-                continue  # holds only GPUs that are not targeted
-        reason = None
-        argv_line = " ".join(record.get("_argv") or ())
-        if record["pid"] == 1:
-            reason = "pid 1 is never signalled"
-        elif record["pid"] in protect_pids:
-            reason = "part of the module's own process tree"
-        elif record.get("protected_name"):
-            reason = "%s is on the built-in protect list" % record["protected_name"]
-        elif protect is not None and protect.reason(record["pid"], record["names"], argv_line):
-            reason = protect.reason(record["pid"], record["names"], argv_line)
-        elif not matches(match, record["names"], argv_line):
-            reason = "does not match `match` (%s)" % match.pattern
+    residue_jobs = set(job for index, job in report.residue.items() if index in targets)
+    decision = Decision()
+    chosen = {}
+
+    def consider(record, why):
+        reason = _protected_reason(record, match, protect, protect_pids)
         if reason:
-            skipped.append(_skip(record, reason))
-        else:
-            to_signal.append(record)
-    return to_signal, skipped
+            decision.skipped.append(_skip(record, reason))
+            return False
+        record["_why"] = why
+        chosen[record["pid"]] = record
+        return True
+
+    for record in report.holders:
+        why = pinning.relevance(record, targets, all_targeted)
+        if why is None and record["job"] in residue_jobs:
+            why = "job_residue"
+        if why in ("ambiguous", "unpinned"):
+            decision.skipped.append(_skip(record, _unpinned_reason(record, why)))
+        elif why:
+            consider(record, why)
+    in_job_refusal = set()
+    for job_id in sorted(set(r["job"] for r in chosen.values() if r["job"] is not None)):
+        job = report.jobs[job_id]
+        job_gpus = report.job_gpus(job_id)
+        decision.jobs[job_id] = {"id": job_id, "pids": job["pids"], "gpus": job_gpus}
+        skipped_pids = dict((k["pid"], k["reason"]) for k in decision.skipped)
+        excluded = [m for m in job["members"] if m["pid"] in skipped_pids]
+        outside = [m for m in job["members"] if m["pid"] not in chosen and m["pid"] not in skipped_pids]
+        over = sorted(set(pair for m in job["members"] for pair in pinning.untargeted_shares(m, targets, tolerance_mib)[0]))
+        first = min(job["pids"])
+        members = ", ".join(str(p) for p in job["pids"])
+        picked = chosen[min(p for p in job["pids"] if p in chosen)]
+        if excluded:
+            in_job_refusal.update(job["pids"])
+            decision.refusals.append(
+                "pid %d (%s) belongs to the job of pid %d (pids %s; processes linked by sockets are one unit), but "
+                "pid %d (%s) of that job may not be signalled (%s): stopping part of a job leaves the rest hung; "
+                "nothing was signalled" % (picked["pid"], picked["name"], first, members, excluded[0]["pid"],
+                                           excluded[0]["name"], skipped_pids[excluded[0]["pid"]]))
+            continue
+        if not outside and not over:
+            continue
+        if collateral == "stop":
+            for member in outside:
+                if not consider(member, "job_member"):
+                    decision.refusals.append(
+                        "pid %d (%s) belongs to the job of pid %d (pids %s) but may not be signalled (%s): stopping "
+                        "part of a job leaves the rest hung; nothing was signalled"
+                        % (member["pid"], member["name"], first, members, decision.skipped[-1]["reason"]))
+            continue
+        in_job_refusal.update(job["pids"])
+        untargeted = sorted(set(i for i in job_gpus if i not in targets))
+        decision.refusals.append(
+            "pid %d (%s) is one of the processes of a job linked by sockets (pids %s; a tensor-parallel job is one "
+            "unit) that holds GPUs %s; %s not targeted%s: stopping part of it leaves the rest hung and residue on the "
+            "targeted GPUs; nothing was signalled. To go on, set collateral: stop (stops the whole job), or target "
+            "%s too"
+            % (min(p for p in job["pids"] if p in chosen), chosen[min(p for p in job["pids"] if p in chosen)]["name"],
+               ", ".join(str(p) for p in job["pids"]), ", ".join(str(i) for i in job_gpus),
+               _gpu_list_words(untargeted), " (%s)" % _mib_list(over) if over else "", _gpu_list_words(untargeted)))
+    for record in sorted(chosen.values(), key=lambda r: r["pid"]):
+        over, dummy = pinning.untargeted_shares(record, targets, tolerance_mib)
+        if over and collateral != "stop" and record["pid"] not in in_job_refusal:
+            decision.refusals.append(
+                "pid %d (%s) holds %s, which %s not targeted, beyond the %d MiB of a bare context "
+                "(collateral_tolerance_mib): stopping it would stop its work there; nothing was signalled. To go on, "
+                "set collateral: stop, or target %s too"
+                % (record["pid"], record["name"], _mib_list(over), "is" if len(over) == 1 else "are", tolerance_mib,
+                   _gpu_list_words([i for i, dummy in over])))
+    decision.to_signal = sorted(chosen.values(), key=lambda r: r["pid"])
+    return decision
+
+
+def _gpu_list_words(indexes):
+    return ("GPU " if len(indexes) == 1 else "GPUs ") + ", ".join(str(i) for i in indexes)
+
+
+def _protected_reason(record, match, protect, protect_pids):
+    argv_line = " ".join(record.get("_argv") or ())
+    if record["pid"] == 1:
+        return "pid 1 is never signalled"
+    if record["pid"] in protect_pids:
+        return "part of the module's own process tree"
+    if record.get("protected_name"):
+        return "%s is on the built-in protect list" % record["protected_name"]
+    if protect is not None and protect.reason(record["pid"], record["names"], argv_line):
+        return protect.reason(record["pid"], record["names"], argv_line)
+    if not matches(match, record["names"], argv_line):
+        return "does not match `match` (%s)" % match.pattern
+    return None
 
 
 def _skip(record, reason):
     return {"pid": record["pid"], "name": record["name"], "reason": reason}
+
+
+def plan_entry(record, targets, decision, tolerance_mib):
+    """One line of the plan: whom, for which targeted GPUs, what else it frees, and its job."""
+    targets = set(targets)
+    why = record.get("_why")
+    if why == "pinned":
+        gpus = sorted(targets & set(record["gpus"]))
+    elif why == "unpinned_all_mapped":
+        gpus = sorted(record["maps_gpus"]) or sorted(targets)
+    else:
+        gpus = sorted(targets & set(decision.jobs.get(record["job"], {}).get("gpus", ())))
+    over, under = pinning.untargeted_shares(record, targets, tolerance_mib)
+    side = [{"index": i, "mib": mib} for i, mib in sorted(over + under)]
+    note = "SIGKILL only if it still holds a targeted GPU after term_timeout"
+    if record["defunct_leader"]:
+        note += "; a defunct leader with %d live threads" % (record["live_threads"] or 0)
+    if side:
+        note += "; frees %s as a side effect" % _mib_list([(s["index"], s["mib"]) for s in side])
+    if why == "job_member":
+        note += "; stopped with its job (collateral: stop)"
+    elif why == "job_residue":
+        note += "; its job keeps residue on a targeted GPU"
+    elif why == "unpinned_all_mapped":
+        note += "; not pinned, but every GPU it maps is targeted"
+    return {"pid": record["pid"], "name": record["name"], "gpus": gpus, "side_effect_gpus": side,
+            "job": decision.jobs.get(record["job"]), "evidence": list(record["evidence"]),
+            "unattributed": record["unattributed"], "why": why, "signals": ["SIGTERM", "SIGKILL"], "note": note}
 
 
 def alive(record, proc_root="/proc"):
@@ -215,8 +336,11 @@ class Releaser(object):
 
     def __init__(self, engine, targets, term_timeout=10.0, kill_timeout=10.0, verify_timeout=30.0,
                  gpu_reset=False, lock_timeout=60.0, match=None, protect=None, deadline=None,
-                 log=None, check_mode=False, lock_dir="/run/lock", nvidia_smi=None, poll_s=POLL_S):
+                 log=None, check_mode=False, lock_dir="/run/lock", nvidia_smi=None, poll_s=POLL_S,
+                 collateral="refuse", collateral_tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB):
         self.engine = engine
+        self.collateral = collateral
+        self.tolerance_mib = collateral_tolerance_mib
         self.targets = list(targets)
         self.term_timeout = term_timeout
         self.kill_timeout = kill_timeout
@@ -238,6 +362,8 @@ class Releaser(object):
         self.signalled = {}      # pid -> record
         self.skipped = []
         self.plan = []
+        self.refusals = []
+        self.jobs = {}
         self.failure = None      # message when the task must fail
         self.respawned = None
         self.reset_done = False
@@ -331,7 +457,8 @@ class Releaser(object):
         for record in report.holders:
             if record["pid"] in known:
                 continue
-            if not (set(self.targets).intersection(record["gpus"]) or record["unattributed"]):
+            maps_target = not record["maps_gpus"] or set(self.targets) & set(record["maps_gpus"])
+            if not (set(self.targets).intersection(record["gpus"]) or (record["unattributed"] and maps_target)):
                 continue
             if record["ppid"] in parents:
                 found.append((record, parents[record["ppid"]]))
@@ -385,38 +512,80 @@ class Releaser(object):
         return False
 
     # -- the ladder
+    def _decide(self, report):
+        return decide(report, self.targets, [g["index"] for g in self.engine.gpus], self.match, self.protect,
+                      self.engine.own_tree_skip(), self.collateral, self.tolerance_mib)
+
     def prepare(self, report):
-        """Decide whom to signal; returns the plan (check mode's answer)."""
-        own_tree = self.engine.own_tree_skip()
-        self.to_signal, self.skipped = decide(report, self.targets, [g["index"] for g in self.engine.gpus],
-                                              self.match, self.protect, own_tree)
+        """Decide whom to signal; returns the plan (check mode's answer). self.refusals stops the task."""
+        decision = self._decide(report)
+        self.to_signal, self.skipped, self.refusals = decision.to_signal, decision.skipped, decision.refusals
+        self.jobs = decision.jobs
         self._known_pids = set(r["pid"] for r in report.holders) | set(r["pid"] for r in report.clients)
-        targets = sorted(self.targets)
-        self.plan = [{"pid": r["pid"], "name": r["name"],
-                      "gpus": [i for i in targets if i in r["gpus"] or i in r["nvml_named_on"]] or targets,
-                      "unattributed": r["unattributed"],
-                      "signals": ["SIGTERM", "SIGKILL"],
-                      "note": "SIGKILL only if it still holds the GPU after term_timeout"
-                              + ("; a defunct leader with %d live threads" % (r["live_threads"] or 0)
-                                 if r["defunct_leader"] else "")}
-                     for r in self.to_signal]
+        self.plan = [plan_entry(r, self.targets, decision, self.tolerance_mib) for r in self.to_signal]
         return self.plan
+
+    def _escalate(self, records, watched):
+        """SIGTERM, wait, SIGKILL the survivors, wait; returns the last wait's outcome."""
+        self._set_rung("sigterm")
+        self._signal(records, signal.SIGTERM, "SIGTERM")
+        outcome = self._wait(self.term_timeout, watched, "SIGTERM")
+        survivors = [r for r in records if alive(r, self.proc_root)]
+        if outcome != "free" and survivors:
+            survivors = self._still_holding(survivors)
+        if outcome != "free" and survivors:
+            self._set_rung("sigkill")
+            self._signal(survivors, signal.SIGKILL, "SIGKILL")
+            outcome = self._wait(self.kill_timeout, watched, "SIGKILL")
+        return outcome
+
+    def _still_holding(self, survivors):
+        """The SIGTERM survivors that still hold a targeted GPU (one that let go is writing a checkpoint)."""
+        report = self.engine.snapshot(self.targets)
+        decision = self._decide(report)
+        keep = set(r["pid"] for r in decision.to_signal)
+        out = []
+        for record in survivors:
+            if record["pid"] in keep or record.get("_why") == "job_member":
+                out.append(record)
+            else:
+                self._record(record, "SIGKILL", "not sent: it no longer holds a targeted GPU")
+        return out
+
+    def _heirs(self):
+        """Holders that existed before the signals and are pinned to a targeted GPU only now (a dead parent's heir)."""
+        report = self.engine.snapshot(self.targets)
+        decision = self._decide(report)
+        fresh = [r for r in decision.to_signal if r["pid"] in self._known_pids and r["pid"] not in self.signalled]
+        if fresh and decision.refusals:
+            self.failure = ("after the first signals, new evidence pins more holders, and stopping them is refused: "
+                            + " | ".join(decision.refusals))
+            return []
+        for record in fresh:
+            self.plan.append(plan_entry(record, self.targets, decision, self.tolerance_mib))
+        return fresh
 
     def run(self, report):
         """Climb the ladder from report (the state after the locks were taken)."""
         self._kill_ticks = _now_ticks(self.proc_root)
-        term = list(self.to_signal)
         watched = list(self.to_signal)
         outcome = "gone"
         if self.to_signal:
-            self._set_rung("sigterm")
-            self._signal(term, signal.SIGTERM, "SIGTERM")
-            outcome = self._wait(self.term_timeout, watched, "SIGTERM")
-            survivors = [r for r in term if alive(r, self.proc_root)]
-            if outcome != "free" and survivors:
-                self._set_rung("sigkill")
-                self._signal(survivors, signal.SIGKILL, "SIGKILL")
-                outcome = self._wait(self.kill_timeout, watched, "SIGKILL")
+            outcome = self._escalate(list(self.to_signal), watched)
+        for dummy in range(HEIR_ROUNDS):
+            if outcome == "free" or not self.signalled:
+                break
+            # time for the memory of the dead to come back, then look for heirs
+            if self._verify_wait(HEIR_WAIT_S, watched, grace_s=HEIR_WAIT_S) == "free":
+                outcome = "free"
+                break
+            heirs = self._heirs()
+            if not heirs:
+                break
+            watched.extend(heirs)
+            outcome = self._escalate(heirs, watched)
+        if self.failure:
+            return
         if outcome == "free":
             self._check_respawn(RESPAWN_WINDOW_S)
             return
@@ -435,8 +604,8 @@ class Releaser(object):
             self._reset()
             self._verify_wait(self.verify_timeout, [])
 
-    def _verify_wait(self, seconds, watched):
-        """Poll until free; stop GRACE_S after no watched process is left."""
+    def _verify_wait(self, seconds, watched, grace_s=GRACE_S):
+        """Poll until free; stop grace_s after no watched process is left."""
         end = self._until(seconds)
         gone_since = None
         while True:
@@ -447,7 +616,7 @@ class Releaser(object):
                 gone_since = None
             elif gone_since is None:
                 gone_since = now
-            if now >= end or (gone_since is not None and now - gone_since >= GRACE_S):
+            if now >= end or (gone_since is not None and now - gone_since >= grace_s):
                 self._check_deadline("verify")
                 return "timeout"
             time.sleep(self.poll_s)
@@ -456,13 +625,14 @@ class Releaser(object):
         """nvidia-smi --gpu-reset for each targeted GPU still used; refused while anything holds it."""
         self._set_rung("reset")
         report = self.engine.snapshot(self.targets)
-        unpinned = [h for h in report.holders if h["unattributed"]]
         smi = self.nvidia_smi or find_nvidia_smi()
         for gpu in report.gpus:
             if gpu["free"] or gpu.get("error"):
                 continue
             fake = {"pid": 0, "name": "GPU %d" % gpu["index"]}
-            blockers = [report.holder(pid) for pid in gpu["holders"]] + unpinned
+            # anything with a context that could be on this GPU blocks its reset
+            blockers = [h for h in report.holders if gpu["index"] in h["gpus"] + h["ambiguous_gpus"]
+                        or (h["unattributed"] and (not h["maps_gpus"] or gpu["index"] in h["maps_gpus"]))]
             if blockers:
                 names = ", ".join("pid %d (%s%s)" % (b["pid"], b["name"],
                                                      ", D state in %s" % b["blocked_threads"][0].get("wchan")
@@ -527,6 +697,18 @@ def remaining_of(report):
     return out
 
 
+def collateral_of(engine, releaser, before, measure_after):
+    """Untargeted GPUs that the plan frees as a side effect, with their used MiB before and (after a run) after."""
+    indexes = set(s["index"] for entry in releaser.plan for s in entry["side_effect_gpus"])
+    indexes.update(i for job in releaser.jobs.values() for i in job["gpus"] if i not in releaser.targets)
+    out = []
+    for index in sorted(indexes):
+        after = engine.memory(index).get("used_mib") if measure_after else None
+        out.append({"index": index, "uuid": (engine.gpu(index) or {}).get("uuid"),
+                    "used_mib_before": before.views.get(index, {}).get("used_mib"), "used_mib_after": after})
+    return out
+
+
 def release(engine, targets, options, check_mode=False, log=None, lock_dir="/run/lock", deadline=None):
     """Run gpu_release on an started Engine. Returns (failed, msg, result)."""
     started = time.monotonic()
@@ -535,9 +717,12 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir="/run
                         kill_timeout=opts.get("kill_timeout", 10.0), verify_timeout=opts.get("verify_timeout", 30.0),
                         gpu_reset=opts.get("gpu_reset", False), lock_timeout=opts.get("lock_timeout", 60.0),
                         match=opts.get("match"), protect=opts.get("protect"), deadline=deadline, log=log,
-                        check_mode=check_mode, lock_dir=lock_dir, nvidia_smi=opts.get("nvidia_smi"))
+                        check_mode=check_mode, lock_dir=lock_dir, nvidia_smi=opts.get("nvidia_smi"),
+                        collateral=opts.get("collateral", "refuse"),
+                        collateral_tolerance_mib=opts.get("collateral_tolerance_mib", pinning.DEFAULT_TOLERANCE_MIB))
     result = {"changed": False, "actions": releaser.actions, "rung_reached": "none", "plan": [],
-              "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": []}
+              "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
+              "collateral": [], "jobs": []}
 
     def finish(failed, msg, before, after):
         result["rung_reached"] = releaser.rung
@@ -550,6 +735,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir="/run
             result["remaining"] = remaining_of(after)
             result["diagnosis"] = list(after.diagnosis)
         result["plan"] = releaser.plan
+        result["jobs"] = sorted(releaser.jobs.values(), key=lambda j: j["id"])
+        result["collateral"] = collateral_of(engine, releaser, before, after is not None)
         result["not_signalled"] = releaser.skipped
         result["respawned"] = releaser.respawned
         for skip in releaser.skipped:
@@ -579,6 +766,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir="/run
         if before.all_free:
             return finish(False, "every targeted GPU is already free", before, before)
         releaser.prepare(before)
+        if releaser.refusals:
+            result["diagnosis"] = list(before.diagnosis)
+            return finish(True, " | ".join(releaser.refusals), before, None)
         if check_mode:
             result["diagnosis"] = list(before.diagnosis)
             return finish(False, "check mode: %d processes would be signalled" % len(releaser.plan), before, None)

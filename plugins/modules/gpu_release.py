@@ -22,6 +22,16 @@ description:
     C(nvidia-smi --gpu-reset); the reset is refused while any holder remains.
   - 7. Verify that every targeted GPU's v2 C(used) is at most O(threshold_mib), else fail with the gpu_status
     diagnosis and what was tried.
+  - "Which GPUs a holder holds is decided by evidence, not by the device nodes it maps: every CUDA process maps the
+    node of every GPU visible to it. A holder that NVML names holds exactly the GPUs where NVML names it. One that
+    NVML does not name (the forked child of a dead parent, a pid NVML hides) is pinned to GPU N only when NVML shows
+    orphaned memory on N, the holder maps a context on N, and no other holder fits. Anything else is unpinned, and
+    is signalled only when every GPU it maps is targeted (see gpuops.fleet.gpu_status)."
+  - "Collateral: a holder that also holds a GPU that is not targeted (beyond O(collateral_tolerance_mib), the size of
+    a bare context), or that belongs to a job of processes linked by sockets (a tensor-parallel job) spanning other
+    GPUs, makes the task fail before any signal, naming the pid and the GPUs, unless O(collateral=stop)."
+  - Once the first holders are gone, the state is read again, and a holder pinned only now (the child that keeps a
+    dead parent's memory) is signalled in turn, under the same rules.
   - "It signals only processes that C(/proc) shows holding a targeted GPU. Never: a pid known only from NVML, an
     NVML client (a process with the device files open but nothing mapped), pid 1, the module's own process tree,
     C(nvidia-persistenced), C(nv-hostengine), C(nv-fabricmanager), C(dcgm-exporter), C(sshd), C(lxc-attach), C(pct),
@@ -90,6 +100,25 @@ options:
       - 0 or more.
     type: float
     default: 60
+  collateral:
+    description:
+      - What to do when stopping a holder of a targeted GPU would also stop work on a GPU that is not targeted.
+      - V(refuse) fails the task before any signal, naming each such pid, its name and its MiB on the other GPUs, or
+        the job (processes linked by sockets, such as the ranks of a tensor-parallel job) and its GPUs.
+      - V(stop) signals such holders anyway, and stops every process of such a job, since stopping part of a job
+        leaves the rest hung and leaves residue on the targeted GPUs. RV(collateral) lists the GPUs freed that way.
+      - Has no effect when every GPU is targeted (O(gpus) empty).
+    type: str
+    choices: [refuse, stop]
+    default: refuse
+  collateral_tolerance_mib:
+    description:
+      - A holder whose share of every untargeted GPU is at most this many MiB is stopped like any other holder of the
+        targeted GPUs; the plan says which untargeted GPUs are freed as a side effect.
+      - The default is just above a bare PyTorch context on an H200 (612 MiB). A share NVML cannot measure counts as
+        above it. 0 or more.
+    type: int
+    default: 640
   timeout:
     description:
       - Overall limit in seconds for the whole task, enforced by the module itself, so that a dropped SSH channel
@@ -122,6 +151,11 @@ EXAMPLES = r"""
   gpuops.fleet.gpu_release:
     gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
     gpu_reset: true
+
+- name: Free GPU 3 even if its tensor-parallel job spans other GPUs (the whole job is stopped)
+  gpuops.fleet.gpu_release:
+    gpus: [3]
+    collateral: stop
 
 - name: Never touch the exporter started by our monitoring
   gpuops.fleet.gpu_release:
@@ -214,15 +248,33 @@ diagnosis:
 plan:
   description:
     - Which pids get which signals (decided before acting); in check mode nothing is sent.
-    - C(gpus) lists the targeted GPU indexes the process holds; for an unattributed holder (signalled only when every
-      GPU is targeted) it lists every targeted GPU and C(unattributed) is true.
+    - C(gpus) lists the targeted GPU indexes the process is pinned to; for an unpinned holder (signalled only when
+      every GPU it maps is targeted) the GPUs it maps, and C(unattributed) is true.
+    - C(side_effect_gpus) lists the untargeted GPUs it also holds, with its MiB there (freed as a side effect).
+    - C(job) is the job it belongs to (C(id), C(pids), C(gpus)), or null.
+    - C(why) is C(pinned), C(unpinned_all_mapped), C(job_member) (stopped with its job, O(collateral=stop)) or
+      C(job_residue) (its job keeps a dead rank's residue on a targeted GPU).
+    - C(evidence) is the holder's evidence (see gpuops.fleet.gpu_status).
   returned: always
   type: list
   elements: dict
-  sample: [{"pid": 533, "name": "python3", "gpus": [0], "unattributed": false, "signals": ["SIGTERM", "SIGKILL"],
-            "note": "SIGKILL only if it still holds the GPU after term_timeout"}]
+  sample: [{"pid": 533, "name": "python3", "gpus": [1], "side_effect_gpus": [{"index": 0, "mib": 518}], "job": null,
+            "evidence": ["nvml", "mapping"], "unattributed": false, "why": "pinned", "signals": ["SIGTERM", "SIGKILL"],
+            "note": "SIGKILL only if it still holds a targeted GPU after term_timeout; frees GPU 0 (518 MiB) as a side effect"}]
+collateral:
+  description: Untargeted GPUs that the plan frees as a side effect, with their used MiB before and after (null in check mode).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"index": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "used_mib_before": 518, "used_mib_after": 0}]
+jobs:
+  description: The jobs (holders linked by sockets) that the plan touches, with their pids and GPUs.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"id": 700, "pids": [700, 701, 702, 703], "gpus": [0, 1, 2, 3]}]
 not_signalled:
-  description: Holders of targeted GPUs that were left alone, with the reason (protected, not matching O(match), unpinned).
+  description: Holders of targeted GPUs that were left alone, with the reason (protected, not matching O(match), unpinned, ambiguous).
   returned: always
   type: list
   elements: dict
@@ -267,6 +319,8 @@ def main():
         gpu_reset=dict(type="bool", default=False),
         lock_timeout=dict(type="float", default=60.0),
         timeout=dict(type="float", default=180.0),
+        collateral=dict(type="str", default="refuse", choices=["refuse", "stop"]),
+        collateral_tolerance_mib=dict(type="int", default=640),
     )
     module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
     started = time.monotonic()
@@ -278,6 +332,8 @@ def main():
             module.fail_json(msg="%s must be 0 or more, got %s" % (name, params[name]))
     if params["timeout"] <= 0:
         module.fail_json(msg="timeout must be more than 0, got %s" % params["timeout"])
+    if params["collateral_tolerance_mib"] < 0:
+        module.fail_json(msg="collateral_tolerance_mib must be 0 or more, got %s" % params["collateral_tolerance_mib"])
     patterns = check_common_params(module)
     try:
         match = compile_regex(params["match"], "match") if params["match"] is not None else None
@@ -302,7 +358,8 @@ def main():
             targets = engine.select(params["gpus"])
         except SelectorError as exc:
             module.fail_json(msg=str(exc), changed=False)
-        names = ("term_timeout", "kill_timeout", "verify_timeout", "gpu_reset", "lock_timeout", "timeout")
+        names = ("term_timeout", "kill_timeout", "verify_timeout", "gpu_reset", "lock_timeout", "timeout",
+                 "collateral", "collateral_tolerance_mib")
         options = dict((k, params[k]) for k in names)
         options.update(match=match, protect=protect)
         failed, msg, result = release(engine, targets, options, check_mode=module.check_mode, log=module.log,

@@ -15,6 +15,16 @@ description:
   - Finds what C(fuser) and C(nvidia-smi) miss, such as a defunct thread-group leader whose live threads still hold
     the GPU, a forked child that keeps a dead parent's memory through inherited file descriptors, and a process that
     closed its files but still maps the device.
+  - "Pins each holder to the GPUs it really holds. Every CUDA process maps the node of every GPU visible to it, so a
+    mapping only says that it has a context somewhere. NVML's per-GPU process list, read in the module's own PID
+    namespace, says where the memory is: a holder NVML names holds exactly the GPUs where it is named. A holder NVML
+    does not name is pinned to GPU N only when NVML names a dead or invisible pid on N (or shows memory no process
+    it lists accounts for), the holder maps a context on N (the node mapped 3 times on driver 580), and no other
+    holder fits that evidence. Otherwise it is unpinned, and C(ambiguous_gpus) says where two holders fit."
+  - If NVML names a live pid here that maps no C(/dev/nvidia*) node (an old driver giving host pids, or a reused
+    pid), none of that snapshot's NVML pids are trusted and holders are pinned by the conservative rule alone.
+  - Finds jobs, holders joined directly by connected TCP sockets (the ranks of a tensor-parallel job), and names the
+    residue that the surviving ranks keep on the GPU of a dead rank.
   - Returns C(diagnosis), a list of plain sentences, one per finding, each naming the pid and the remedy.
   - Read-only; C(changed) is always false.
 author:
@@ -116,10 +126,30 @@ gpus:
       type: bool
       sample: false
     holders:
-      description: Pids of the holders pinned to this GPU (they map its device node, or NVML names them here).
+      description: Pids of the holders pinned to this GPU (NVML names them here, or the evidence pins them here).
       type: list
       elements: int
       sample: [533]
+    ambiguous:
+      description: Pids of holders that fit this GPU's orphaned memory equally well; none of them is pinned here.
+      type: list
+      elements: int
+      sample: []
+    mapped_by:
+      description: Pids of every holder that maps this GPU's device node (with a context there or not).
+      type: list
+      elements: int
+      sample: [533, 540]
+    residue:
+      description:
+        - Memory kept here by the surviving ranks of a job after one of its ranks died (NVML lists no pid for it), as
+          C(job) (its lowest pid), C(pids) and C(mib); null when there is none.
+      type: dict
+      sample: {"job": 700, "pids": [700, 702, 703], "mib": 291}
+    nvml_pids_trusted:
+      description: False when NVML named a live pid here that maps no device node (legacy host pids, or a reused pid).
+      type: bool
+      sample: true
     clients:
       description: Pids of NVML clients that have this GPU's device node open but map nothing.
       type: list
@@ -135,7 +165,7 @@ gpus:
       sample: [{"pid": 560, "used_mib": 32768, "status": "not_visible", "matches_holder": false,
                 "note": "not visible here: the process no longer exists"}]
     unattributed_mib:
-      description: Used MiB that NVML's process list does not account for (hidden processes, leaked memory).
+      description: Used MiB that NVML's process list does not account for (hidden processes, leaked memory, residue).
       type: int
       sample: 0
     error:
@@ -205,26 +235,77 @@ holders:
       elements: str
       sample: [/dev/nvidia-uvm, /dev/nvidia0, /dev/nvidiactl]
     gpus:
-      description: NVML indexes of the GPUs whose device node it maps.
+      description:
+        - NVML indexes of the GPUs it is pinned to, by evidence (see C(evidence)); empty when unpinned.
+        - Before 0.2.0 this listed the GPUs whose device node it maps; that is now C(maps_gpus).
       type: list
       elements: int
-      sample: [0]
+      sample: [1]
+    maps_gpus:
+      description: NVML indexes of the GPUs whose device node it maps (every GPU visible to a CUDA process).
+      type: list
+      elements: int
+      sample: [0, 1]
+    context_gpus:
+      description: NVML indexes of the GPUs whose node it maps as a context does (3 mapping lines on driver 580).
+      type: list
+      elements: int
+      sample: [1]
+    map_lines:
+      description: Mapping lines of each GPU's node in C(/proc/PID/maps), by NVML index.
+      type: dict
+      sample: {"0": 2, "1": 3}
+    evidence:
+      description:
+        - Why it is pinned where it is; empty when unpinned. C(nvml) (NVML names it there), C(mapping) (it maps a
+          context there; never alone), C(dead_pid) (NVML names a dead or invisible pid there), C(unaccounted)
+          (memory there that no listed process accounts for), C(heir) (its process group or session id is that dead
+          pid), C(nvml_pids_untrusted) (pinned by the conservative rule alone).
+      type: list
+      elements: str
+      sample: [nvml, mapping]
+    ambiguous_gpus:
+      description: GPUs whose orphaned memory it fits as well as another holder does; it is not pinned there.
+      type: list
+      elements: int
+      sample: []
+    shares_mib:
+      description: Its MiB on each GPU it is pinned to, by NVML index (NVML's figure, or the dead pid's / unaccounted MiB).
+      type: dict
+      sample: {"0": 518, "1": 5638}
+    heir_of:
+      description: Dead pids whose memory it keeps and whose process group or session it belongs to (a forked child).
+      type: list
+      elements: int
+      sample: []
+    job:
+      description: The id (lowest pid) of the job it belongs to (holders linked by connected TCP sockets), or null.
+      type: int
+      sample: null
+    pgrp:
+      description: Process group id.
+      type: int
+      sample: 533
+    session:
+      description: Session id.
+      type: int
+      sample: 533
     unattributed:
-      description: True when it maps only C(nvidiactl)/C(nvidia-uvm); it holds a context on some GPU (all GPUs, unattributed).
+      description: True when it is pinned to no GPU (unpinned or ambiguous); such a holder is signalled only when every GPU it maps is targeted.
       type: bool
       sample: false
     gpu_minors:
-      description: Minor numbers of the C(/dev/nvidiaN) nodes it maps.
+      description: Minor numbers of the C(/dev/nvidiaN) nodes it maps (from C(st_rdev) for a character device).
       type: list
       elements: int
-      sample: [2]
+      sample: [0, 1]
     fd_gpu_minors:
       description: Minor numbers of the C(/dev/nvidiaN) nodes it has open.
       type: list
       elements: int
       sample: [2]
     nvml_named_on:
-      description: NVML indexes of the selected GPUs whose NVML process list names this pid.
+      description: NVML indexes of the GPUs whose NVML process list names this pid.
       type: list
       elements: int
       sample: [2]
@@ -278,8 +359,19 @@ zombies:
   type: list
   elements: dict
   sample: [{"pid": 601, "name": "python3", "ppid": 600, "parent_name": "python3", "holds": []}]
+jobs:
+  description: Groups of holders joined directly by connected TCP sockets (the ranks of a tensor-parallel job), with their GPUs.
+  returned: success
+  type: list
+  elements: dict
+  sample: [{"id": 700, "pids": [700, 701], "gpus": [0, 1]}]
+nvml_pids_trusted:
+  description: False when NVML's pids were not trusted in this snapshot (see C(nvml_processes) status C(not_holder)).
+  returned: success
+  type: bool
+  sample: true
 holders_unattributed:
-  description: Pids of holders whose context cannot be pinned to one GPU.
+  description: Pids of holders pinned to no GPU.
   returned: success
   type: list
   elements: int

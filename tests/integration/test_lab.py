@@ -112,6 +112,62 @@ def ssh_node(st, command, lab_id=LAB_ID, node="pve1", key=None):
                           timeout=30, check=False)
 
 
+def driver_gpus(st):
+    """The driver's JSON snapshot through its socket: fast enough to watch the free delay."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(os.path.join(st["state"], "driver", "driver.sock"))
+        s.sendall(b'{"op": "snapshot", "node": "pve1"}\n')
+        return {g["minor"]: g for g in json.loads(s.makefile().read())["gpus"]}
+
+
+def kill_all(pids):
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, TypeError):
+            pass
+
+
+def ct_map_lines(vmid, pid, minors):
+    """grep -c /dev/nvidiaM /proc/PID/maps inside the container, per minor."""
+    script = "; ".join("grep -c '/dev/nvidia%d$' /proc/%d/maps" % (m, pid) for m in minors)
+    out = labctl("exec", "--node", "pve1", "--vmid", vmid, "--", "sh", "-c", script, check=False).stdout
+    return [int(x) for x in out.split()]
+
+
+def ct_nvml_procs(st, vmid):
+    """{index: [pids]} from the real pynvml inside the container."""
+    code = ("import json, pynvml as n; n.nvmlInit(); print(json.dumps([[p.pid for p in "
+            "n.nvmlDeviceGetComputeRunningProcesses(n.nvmlDeviceGetHandleByIndex(i))] "
+            "for i in range(n.nvmlDeviceGetCount())]))")
+    py = st["nodes"]["pve1"]["containers"][vmid]["python"]
+    return dict(enumerate(json.loads(labctl("exec", "--node", "pve1", "--vmid", vmid, "--", py, "-c", code).stdout)))
+
+
+def tcp_links(pids):
+    """Pairs of pids joined by an established TCP connection: socket inodes of /proc/PID/fd matched with
+    /proc/PID/net/tcp (the processes' own network namespace)."""
+    owner = {}
+    for pid in pids:
+        for fd in os.listdir("/proc/%d/fd" % pid):
+            try:
+                target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+            except OSError:
+                continue
+            if target.startswith("socket:["):
+                owner[int(target[8:-1])] = pid
+    ends = {}
+    for pid in pids:
+        with open("/proc/%d/net/tcp" % pid) as f:
+            for line in f.read().splitlines()[1:]:
+                fields = line.split()
+                if fields[3] == "01" and int(fields[9]) in owner:
+                    ends[(fields[1], fields[2])] = owner[int(fields[9])]
+    return {frozenset((pid, ends[(remote, local)])) for (local, remote), pid in ends.items()
+            if ends.get((remote, local)) not in (None, pid)}
+
+
 def test_up_is_idempotent_and_healthy(lab):
     assert lab["healthy"] is True
     again = labjson("status")
@@ -182,6 +238,132 @@ def test_layout_maps_indexes_to_minors(lab):
     assert json.loads(out[2]) == [res["pids"][0]], "modern driver: container pid inside the container"
     os.kill(res["host_pids"][0], signal.SIGKILL)
     assert wait_until(lambda: gpu("pve1", 3)["used_mib"] == 0)
+
+
+# ---- several GPUs (GPU_FACTS rows 9-21); ct101 sees minors 0-3, ct102 sees 2, 3 ----
+
+def test_gpu0_workload_maps_every_visible_gpu_nvml_names_it_on_gpu0_only(lab):
+    res = labjson("run", "plain", "--node", "pve1", "--vmid", "101", "--gpus", "0", "--mib", "900")
+    try:
+        assert ct_map_lines("101", res["pids"][0], range(4)) == [3, 2, 2, 2]
+        assert ct_nvml_procs(lab, "101") == {0: [res["pids"][0]], 1: [], 2: [], 3: []}
+        assert [driver_gpus(lab)[m]["used_mib"] for m in range(4)] == [900, 0, 0, 0]
+        # ct102 sees minors 2, 3 only: a workload there maps those two and nothing else.
+        other = labjson("run", "plain", "--node", "pve1", "--vmid", "102", "--gpus", "1", "--mib", "64")
+        kill_all(other["host_pids"])
+        assert ct_map_lines("101", res["pids"][0], range(4)) == [3, 2, 2, 2]
+    finally:
+        kill_all(res["host_pids"])
+    assert wait_until(lambda: all(g["used_mib"] == 0 for g in driver_gpus(lab).values()), timeout=3)
+
+
+def test_cuda_visible_devices_hides_mappings(lab):
+    res = labjson("run", "plain", "--node", "pve1", "--vmid", "101", "--gpus", "1", "--mib", "100",
+                  "--cuda-visible-devices", "1,2")
+    try:
+        assert res["cuda_visible_devices"] == "1,2"
+        pid = res["pids"][0]
+        assert ct_map_lines("101", pid, range(4)) == [0, 3, 2, 0]
+        fds = labctl("exec", "--node", "pve1", "--vmid", "101", "--", "sh", "-c",
+                     "ls -l /proc/%d/fd | grep -c '/dev/nvidia0$'" % pid, check=False).stdout
+        assert int(fds) == 1, "a hidden GPU keeps an fd, no mapping"
+        assert ct_nvml_procs(lab, "101")[1] == [pid]
+    finally:
+        kill_all(res["host_pids"])
+    refused = labctl("run", "plain", "--node", "pve1", "--vmid", "101", "--gpus", "0", "--cuda-visible-devices", "1,2",
+                     check=False)
+    assert refused.returncode == 1 and "--gpus 0 not among --cuda-visible-devices 1,2" in refused.stderr
+    assert wait_until(lambda: driver_gpus(lab)[1]["used_mib"] == 0, timeout=3)
+
+
+def test_stray_context_on_the_containers_first_gpu(lab):
+    res = labjson("run", "stray_context", "--node", "pve1", "--vmid", "102", "--gpus", "1", "--mib", "5638")
+    try:
+        holder = res["roles"]["holder"]
+        gpus = driver_gpus(lab)
+        assert gpus[3]["allocations"] == [{"host_pid": holder, "mib": 5638}]
+        assert gpus[2]["allocations"] == [{"host_pid": holder, "mib": 518}]  # ct102's index 0
+        assert ct_map_lines("102", res["pids"][0], (2, 3)) == [3, 3]
+    finally:
+        kill_all(res["host_pids"])
+    assert wait_until(lambda: driver_gpus(lab)[2]["used_mib"] == driver_gpus(lab)[3]["used_mib"] == 0, timeout=3)
+
+
+def test_tp_nccl_ranks_linked_and_residue_while_peers_live(lab):
+    res = labjson("run", "tp_nccl", "--node", "pve1", "--vmid", "101", "--gpus", "0,1,2,3", "--mib", "3000")
+    ranks = [res["roles"]["rank%d" % r] for r in range(4)]
+    try:
+        assert res["holders"] == ranks
+        pairs = {frozenset((a, b)) for i, a in enumerate(ranks) for b in ranks[i + 1:]}
+        assert tcp_links([res["roles"]["parent"]] + ranks) == pairs
+        assert ct_map_lines("101", res["container_roles"]["rank2"], range(4)) == [2, 2, 3, 2]
+        assert ct_nvml_procs(lab, "101") == {r: [res["container_roles"]["rank%d" % r]] for r in range(4)}
+        os.kill(ranks[1], signal.SIGKILL)
+        assert wait_until(lambda: driver_gpus(lab)[1]["used_mib"] == 291, timeout=3)
+        listed = labjson("gpus", "--node", "pve1")[1]
+        assert listed["nvml_pids"] == [] and listed["allocations"] == [
+            {"host_pid": None, "mib": 291, "residue_of": ranks[1]}]
+        assert ct_nvml_procs(lab, "101")[1] == []
+        time.sleep(0.5)
+        assert driver_gpus(lab)[1]["used_mib"] == 291
+    finally:
+        kill_all(ranks)
+    assert wait_until(lambda: all(g["used_mib"] == 0 for g in driver_gpus(lab).values()), timeout=3), driver_gpus(lab)
+
+
+def test_two_parents_dead_each_named_on_its_gpu(lab):
+    res = labjson("run", "two_parents", "--node", "pve1", "--vmid", "101", "--gpus", "1,2", "--mib", "1000")
+    children = [res["roles"]["child0"], res["roles"]["child1"]]
+    try:
+        assert res["holders"] == children and len(res["dead"]) == 2
+        assert res["roles"]["parent0"] is None and res["roles"]["parent1"] is None  # dead: no host pid
+        gpus = driver_gpus(lab)
+        for i, minor in enumerate((1, 2)):
+            named = gpus[minor]["nvml_pids"]
+            assert len(named) == 1 and proc_field(named[0], "State") is None
+            assert os.getpgid(children[i]) == os.getsid(children[i]) == named[0]
+        assert gpus[1]["nvml_pids"] != gpus[2]["nvml_pids"]
+        assert ct_nvml_procs(lab, "101") == {0: [], 1: [res["dead"][0]], 2: [res["dead"][1]], 3: []}
+        assert ct_map_lines("101", res["container_roles"]["child1"], range(4)) == [2, 2, 3, 2]
+    finally:
+        kill_all(children)
+    assert wait_until(lambda: all(g["used_mib"] == 0 for g in driver_gpus(lab).values()), timeout=3)
+
+
+def test_ipc_consumer_keeps_the_dead_producers_memory(lab):
+    res = labjson("run", "ipc_consumer", "--node", "pve1", "--vmid", "102", "--gpus", "0", "--mib", "6144")
+    consumer = res["roles"]["consumer"]
+    try:
+        assert res["roles"]["producer"] is None and res["holders"] == [consumer]
+        gpu2 = driver_gpus(lab)[2]
+        assert gpu2["nvml_pids"] == [consumer] and gpu2["used_mib"] == 6144 + 518
+        time.sleep(0.4)
+        assert driver_gpus(lab)[2]["used_mib"] == 6144 + 518
+    finally:
+        kill_all([consumer])
+    assert wait_until(lambda: driver_gpus(lab)[2]["used_mib"] == 0, timeout=3)
+
+
+def test_free_delay_memory_stays_after_reaping(lab):
+    for delay in (0.15, 0.6):
+        if delay != 0.15:
+            labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3",
+                   "--free-delay", str(delay))
+        try:
+            res = labjson("run", "plain", "--node", "pve1", "--vmid", "102", "--gpus", "1", "--mib", "256")
+            holder = res["host_pids"][0]
+            os.kill(holder, signal.SIGKILL)
+            assert wait_until(lambda: not os.path.exists("/proc/%d" % holder), timeout=3, interval=0.002)
+            gone = time.monotonic()
+            after = driver_gpus(lab)[3]
+            assert after["used_mib"] == 256 and after["nvml_pids"] == [holder]  # reaped, not yet freed
+            assert wait_until(lambda: driver_gpus(lab)[3]["used_mib"] == 0, timeout=3, interval=0.01)
+            assert delay - 0.1 <= time.monotonic() - gone <= delay + 0.4
+        finally:
+            if delay != 0.15:
+                labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3")
+    with open(os.path.join(lab["state"], "lab.json")) as f:
+        assert json.load(f)["free_delay_s"] == 0.15
 
 
 def test_inventory(lab):
@@ -276,7 +458,7 @@ def test_stuck_holder_needs_a_container_restart(lab):
     assert reset.returncode != 0
     labctl("restart", "--node", "pve1", "--vmid", "101")
     assert proc_field(holder, "State") is None
-    assert gpu("pve1", 2)["used_mib"] == 0
+    assert wait_until(lambda: gpu("pve1", 2)["used_mib"] == 0, timeout=2)  # the free delay
     assert not os.path.exists(res["freezer"])
 
 

@@ -1,4 +1,4 @@
-"""The lab's fake NVIDIA driver against GPU_FACTS.md rows 1-8, faults and reset.
+"""The lab's fake NVIDIA driver against GPU_FACTS.md rows 1-21, faults and reset.
 
 Runs on the host, no lab containers: the C stand-in is built into a temporary
 folder, the daemon serves a temporary STATE, workloads are real processes with
@@ -23,6 +23,7 @@ DRIVER_DIR = REPO / "tests" / "lab" / "driver"
 WORKLOAD = REPO / "tests" / "lab" / "workloads" / "workload.py"
 PY = sys.executable
 GPUS = 4
+FREE_DELAY_S = 0.15  # the driver's default (lab.json has no free_delay_s here)
 TOTAL_MIB = 143771
 RESERVED_MIB = 615
 RID = "%s-test%d" % (os.environ.get("LAB_ID", "drv01"), os.getpid())
@@ -170,29 +171,28 @@ class Probe:
 class Workload:
     """A workload.py run under a reaper; kill() ends the whole workload session."""
 
-    def __init__(self, lab, scenario, minors, mib, *extra):
+    def __init__(self, lab, scenario, minors, mib, *extra, env=None):
         argv = [PY, "-c", REAPER, PY, str(WORKLOAD), scenario, "--minors", ",".join(map(str, minors)),
                 "--mib", str(mib), "--dev-dir", str(lab.dev)] + list(extra)
-        self.reaper = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=lab.env(),
+        self.reaper = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=lab.env(**(env or {})),
                                        text=True, start_new_session=True)
         try:
             self.info = read_json_line(self.reaper.stdout, 30, "workload " + scenario)
         except (AssertionError, ValueError) as exc:
             self.reaper.kill()
             raise AssertionError("workload %s failed: %s" % (scenario, self.reaper.communicate(timeout=10)[1])) from exc
-        self.pgid = None
-        for pid in reversed(self.info["pids"]):
+        self.pgids = set()
+        for pid in self.info["pids"]:  # two_parents: each child leads no group of the launcher's
             try:
-                self.pgid = os.getpgid(pid)
-                break
+                self.pgids.add(os.getpgid(pid))
             except OSError:
                 pass
         self.roles = self.info["roles"]
 
     def kill(self):
-        if self.pgid:
+        for pgid in self.pgids:
             try:
-                os.killpg(self.pgid, signal.SIGKILL)
+                os.killpg(pgid, signal.SIGKILL)
             except OSError:
                 pass
         try:
@@ -291,8 +291,8 @@ def lab(tmp_path_factory):
 def workloads(lab):
     started = []
 
-    def start(scenario, minors, mib, *extra):
-        workload = Workload(lab, scenario, minors, mib, *extra)
+    def start(scenario, minors, mib, *extra, env=None):
+        workload = Workload(lab, scenario, minors, mib, *extra, env=env)
         started.append(workload)
         return workload
 
@@ -338,6 +338,44 @@ def fuser_access(path):
     return dict(zip(pids, access))
 
 
+def map_lines(pid, dev):
+    """{device file name: lines of /proc/PID/maps naming it} for the files under dev."""
+    counts = {}
+    for line in Path("/proc/%d/maps" % pid).read_text().splitlines():
+        path = line.split()[-1] if len(line.split()) >= 6 else ""
+        if path.startswith(str(dev) + "/"):
+            name = path[len(str(dev)) + 1:]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def fd_counts(pid, dev):
+    counts = {}
+    for target in fd_targets("/proc/%d/fd" % pid):
+        if target.startswith(str(dev) + "/"):
+            name = target[len(str(dev)) + 1:]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def tcp_links(pids):
+    """{frozenset(pid_a, pid_b)} joined by an established loopback TCP connection (socket inodes in /proc/PID/fd
+    matched with /proc/PID/net/tcp)."""
+    owner = {}
+    for pid in pids:
+        for target in fd_targets("/proc/%d/fd" % pid):
+            if target.startswith("socket:["):
+                owner[int(target[8:-1])] = pid
+    conns = {}
+    for pid in pids:
+        for line in Path("/proc/%d/net/tcp" % pid).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "01" and int(f[9]) in owner:  # ESTABLISHED
+                conns[(f[1], f[2])] = owner[int(f[9])]
+    return {frozenset((a, conns[(remote, local)])) for (local, remote), a in conns.items()
+            if (remote, local) in conns and conns[(remote, local)] != a}
+
+
 # ---- GPU_FACTS rows ----
 
 @pytest.mark.usefixtures("workloads")
@@ -369,8 +407,12 @@ def test_row2_sigkill_frees_by_waitpid(lab, probe):
             assert before["procs"] == [[holder.pid, mib]]
             holder.send_signal(signal.SIGKILL)
             holder.wait()
-            after = by_minor(p.state())[0]  # read right after waitpid returned: no polling
-            assert (after["used"], after["procs"]) == (0, [])
+            reaped = time.monotonic()
+            after = by_minor(p.state())[0]  # read right after waitpid returned: the free delay runs
+            assert (after["used"], after["procs"]) == (mib, [[holder.pid, mib]])
+            assert wait_until(lambda: by_minor(p.state())[0]["used"] == 0, timeout=2, step=0.005)
+            assert by_minor(p.state())[0]["procs"] == []
+            assert FREE_DELAY_S - 0.05 <= time.monotonic() - reaped <= FREE_DELAY_S + 0.35
         finally:
             holder.kill()
             holder.wait()
@@ -382,8 +424,9 @@ def test_row3_zombie_holds_nothing(lab, probe, workloads):
     assert w.info["holders"] == []
     assert proc_state(zombie) == "Z" and proc_state(parent) in ("R", "S")
     assert os.listdir("/proc/%d/fd" % zombie) == []
-    d = by_minor(probe().state())[1]
-    assert (d["used"], d["procs"]) == (0, [])
+    p = probe()
+    assert wait_until(lambda: by_minor(p.state())[1]["used"] == 0, timeout=1)  # 0.15 s after Z (row 3)
+    assert by_minor(p.state())[1]["procs"] == []
     assert lab.gpus()[1]["holders"] == []
 
 
@@ -439,8 +482,10 @@ def test_row6_mmap_only(lab, probe, workloads):
     holder = workloads("mmap_only", [2], 8908).roles["holder"]
     assert not [t for t in fd_targets("/proc/%d/fd" % holder) if str(lab.dev) in t]
     maps = [line for line in Path("/proc/%d/maps" % holder).read_text().splitlines() if str(lab.dev) in line]
+    # 3 lines on its context GPU, 2 on every other visible GPU (rows 9, 12), all kept without an fd
     assert sorted(line.split()[-1] for line in maps) == sorted(
-        str(lab.dev / n) for n in ("nvidia2", "nvidiactl", "nvidia-uvm"))
+        [str(lab.dev / n) for n in ("nvidia2",) * 3 + ("nvidiactl", "nvidia-uvm")]
+        + [str(lab.dev / ("nvidia%d" % m)) for m in (0, 1, 3) for _twice in range(2)])
     assert fuser_access(lab.dev / "nvidia2")[holder] == "....m"
     assert by_minor(probe().state())[2]["used"] == 8908
     os.kill(holder, signal.SIGKILL)
@@ -508,7 +553,8 @@ def test_tp_server_workers_hold_parent_does_not(lab, probe, workloads):
     assert state[1]["procs"] == [[workers[0], 300]] and state[2]["procs"] == [[workers[1], 300]]
     os.kill(workers[0], signal.SIGKILL)
     assert wait_until(lambda: proc_state(workers[0]) is None, timeout=2)  # the parent reaps it
-    assert lab.gpus()[1]["used_mib"] == 0 and lab.gpus()[2]["used_mib"] == 300
+    assert wait_until(lambda: lab.gpus()[1]["used_mib"] == 0, timeout=2)  # no links: no residue
+    assert lab.gpus()[2]["used_mib"] == 300
 
 
 def test_term_ignoring_survives_sigterm_plain_does_not(lab, workloads):
@@ -529,6 +575,148 @@ def test_bystanders(lab, workloads):
     assert not [t for t in fd_targets("/proc/%d/fd" % cpu.roles["bystander"]) if str(lab.dev) in t]
     assert gpu.info["holders"] == [gpu.roles["bystander"]]
     assert lab.gpus()[3]["nvml_pids"] == [gpu.roles["bystander"]]
+
+
+# ---- several GPUs (GPU_FACTS rows 9-21) ----
+
+def others(minors):
+    return [m for m in range(GPUS) if m not in minors]
+
+
+def test_row9_maps_every_visible_gpu_memory_only_on_its_context(lab, probe, workloads):
+    holder = workloads("plain", [0], 100).roles["holder"]
+    assert {n: c for n, c in map_lines(holder, lab.dev).items() if n.startswith("nvidia") and n[6:].isdigit()} \
+        == {"nvidia0": 3, "nvidia1": 2, "nvidia2": 2, "nvidia3": 2}
+    fds = fd_counts(holder, lab.dev)
+    assert fds["nvidia0"] > fds["nvidia1"] >= 1
+    assert [m for m, g in lab.gpus().items() if g["holders"]] == [0]  # the flock only on its context GPU
+    state = by_minor(probe().state())
+    assert state[0]["procs"] == [[holder, 100]]
+    assert all((state[m]["used"], state[m]["procs"]) == (0, []) for m in others([0]))
+
+
+def test_row10_cuda_visible_devices_hides_mappings(lab, workloads):
+    holder = workloads("plain", [1], 100, env={"CUDA_VISIBLE_DEVICES": "1,2"}).roles["holder"]
+    maps, fds = map_lines(holder, lab.dev), fd_counts(holder, lab.dev)
+    assert (maps.get("nvidia1"), maps.get("nvidia2"), maps.get("nvidia0"), maps.get("nvidia3")) == (3, 2, None, None)
+    assert fds["nvidia0"] == fds["nvidia3"] == 1  # a hidden GPU keeps an fd, no mapping
+    hidden = subprocess.run([PY, str(WORKLOAD), "plain", "--minors", "0", "--dev-dir", str(lab.dev)], capture_output=True,
+                            text=True, env=lab.env(CUDA_VISIBLE_DEVICES="1"), timeout=30, check=False)
+    assert hidden.returncode == 1 and "hidden by CUDA_VISIBLE_DEVICES=1" in hidden.stderr
+    assert lab.gpus()[0]["used_mib"] == 0
+
+
+def test_row13_stray_context_on_the_first_gpu(lab, probe, workloads):
+    holder = workloads("stray_context", [2], 5638).roles["holder"]
+    state = by_minor(probe().state())
+    assert state[2]["procs"] == [[holder, 5638]] and state[0]["procs"] == [[holder, 518]]
+    assert state[1]["procs"] == state[3]["procs"] == []
+    maps = map_lines(holder, lab.dev)
+    assert [maps["nvidia%d" % m] for m in range(GPUS)] == [3, 2, 3, 2]
+
+
+def test_row14_fork_inherit_over_two_gpus(lab, probe, workloads):
+    w = workloads("fork_inherit", [0, 1], 700, "--kill-parent")
+    parent, child = w.roles["parent"], w.roles["child"]
+    state = by_minor(probe().state())
+    assert state[0]["procs"] == state[1]["procs"] == [[parent, 700]]
+    assert state[2]["procs"] == state[3]["procs"] == []
+    maps = map_lines(child, lab.dev)
+    assert [maps["nvidia%d" % m] for m in range(GPUS)] == [3, 3, 2, 2] and "nvidia-uvm" not in maps
+    os.kill(child, signal.SIGKILL)
+    assert wait_until(lambda: lab.gpus()[0]["used_mib"] == lab.gpus()[1]["used_mib"] == 0, timeout=2)
+
+
+def test_row15_defunct_leader_named_on_its_context_gpu(lab, probe, workloads):
+    leader = workloads("defunct_leader", [1], 4614).roles["leader"]
+    state = by_minor(probe().state())
+    assert state[1]["procs"] == [[leader, 4614]] and all(state[m]["procs"] == [] for m in others([1]))
+    live = [int(t) for t in os.listdir("/proc/%d/task" % leader) if int(t) != leader][0]
+    text = Path("/proc/%d/task/%d/maps" % (leader, live)).read_text()
+    assert text.count(str(lab.dev / "nvidia1") + "\n") == 3 and text.count(str(lab.dev / "nvidia0") + "\n") == 2
+
+
+def test_row17_ipc_consumer_charged_with_the_dead_producer(lab, probe, workloads):
+    w = workloads("ipc_consumer", [3], 6144)
+    producer, consumer = w.roles["producer"], w.roles["consumer"]
+    assert w.info["dead"] == [producer] and w.info["holders"] == [consumer]
+    assert proc_state(producer) is None  # reaped
+    d = by_minor(probe().state())[3]
+    assert (d["used"], d["procs"]) == (6144 + 518, [[consumer, 6144 + 518]])
+    time.sleep(FREE_DELAY_S + 0.1)
+    assert lab.gpus()[3]["used_mib"] == 6144 + 518  # not freed: the consumer holds it
+    os.kill(consumer, signal.SIGKILL)
+    assert wait_until(lambda: lab.gpus()[3]["used_mib"] == 0, timeout=2)
+
+
+def test_row19_tp_nccl_links_and_residue(lab, probe, workloads):
+    w = workloads("tp_nccl", [0, 1, 2], 3000)
+    parent, ranks = w.roles["parent"], [w.roles["rank%d" % r] for r in range(3)]
+    assert w.info["holders"] == ranks
+    assert Path("/proc/%d/comm" % ranks[1]).read_text().strip() == "tp_rank1"
+    pairs = ((ranks[0], ranks[1]), (ranks[0], ranks[2]), (ranks[1], ranks[2]))
+    assert tcp_links([parent] + ranks) == {frozenset(p) for p in pairs}
+    assert not fd_counts(parent, lab.dev)
+    for r, rank in enumerate(ranks):
+        maps = map_lines(rank, lab.dev)
+        assert [maps["nvidia%d" % m] for m in range(GPUS)] == [3 if m == r else 2 for m in range(GPUS)]
+    state = by_minor(probe().state())
+    assert [state[m]["procs"] for m in range(3)] == [[[rank, 3000]] for rank in ranks]
+    os.kill(ranks[1], signal.SIGKILL)
+    assert wait_until(lambda: lab.gpus()[1]["used_mib"] == 291, timeout=2)
+    gpu1 = lab.gpus()[1]
+    assert gpu1["nvml_pids"] == [] and gpu1["allocations"] == [{"host_pid": None, "mib": 291, "residue_of": ranks[1]}]
+    assert by_minor(probe().state())[1]["procs"] == []
+    os.kill(ranks[0], signal.SIGKILL)
+    time.sleep(FREE_DELAY_S + 0.2)
+    assert lab.gpus()[1]["used_mib"] == 291 and lab.gpus()[0]["used_mib"] == 291  # rank 2 still lives
+    os.kill(ranks[2], signal.SIGKILL)
+    assert wait_until(lambda: all(lab.gpus()[m]["used_mib"] == 0 for m in range(3)), timeout=2), lab.gpus()
+
+
+def test_tp_nccl_residue_only_while_peers_live(lab, workloads):
+    w = workloads("tp_nccl", [2, 3], 1000)
+    os.killpg(os.getpgid(w.roles["parent"]), signal.SIGKILL)  # the whole job at once
+    assert wait_until(lambda: lab.gpus()[2]["used_mib"] == lab.gpus()[3]["used_mib"] == 0, timeout=2)
+    time.sleep(0.1)
+    assert lab.gpus()[2]["used_mib"] == lab.gpus()[3]["used_mib"] == 0
+
+
+def test_two_parents_each_child_in_its_dead_parents_session(lab, probe, workloads):
+    w = workloads("two_parents", [1, 2], 1000)
+    roles = w.roles
+    assert w.info["dead"] == [roles["parent0"], roles["parent1"]]
+    assert w.info["holders"] == [roles["child0"], roles["child1"]]
+    for i in (0, 1):
+        assert proc_state(roles["parent%d" % i]) is None
+        child = roles["child%d" % i]
+        assert os.getpgid(child) == os.getsid(child) == roles["parent%d" % i]
+    state = by_minor(probe().state())
+    assert state[1]["procs"] == [[roles["parent0"], 1000]] and state[2]["procs"] == [[roles["parent1"], 1000]]
+    maps = map_lines(roles["child0"], lab.dev)
+    assert (maps["nvidia1"], maps["nvidia2"]) == (3, 2) and "nvidia-uvm" not in maps
+    os.kill(roles["child0"], signal.SIGKILL)
+    assert wait_until(lambda: lab.gpus()[1]["used_mib"] == 0, timeout=2)
+    assert lab.gpus()[2]["used_mib"] == 1000
+
+
+def test_free_delay_from_lab_json(lab, probe):
+    doc = json.loads((lab.state / "lab.json").read_text())
+    try:
+        (lab.state / "lab.json.tmp").write_text(json.dumps(dict(doc, free_delay_s=0.6)))
+        os.replace(lab.state / "lab.json.tmp", lab.state / "lab.json")
+        holder = subprocess.Popen([PY, str(WORKLOAD), "plain", "--minors", "1", "--mib", "64", "--dev-dir",
+                                   str(lab.dev), "--foreground"], stdout=subprocess.PIPE, env=lab.env(), text=True)
+        read_json_line(holder.stdout, 30, "plain")
+        holder.kill()
+        holder.wait()
+        reaped = time.monotonic()
+        time.sleep(0.35)
+        assert lab.gpus()[1]["nvml_pids"] == [holder.pid]
+        assert wait_until(lambda: lab.gpus()[1]["used_mib"] == 0, timeout=2)
+        assert time.monotonic() - reaped >= 0.55
+    finally:
+        lab.write_lab_json()
 
 
 # ---- faults ----
@@ -657,6 +845,13 @@ def test_container_sees_its_layout(lab, container_cgroup, probe):  # cgroup torn
         gpu = lab.gpus()[3]
         assert gpu["visible_in"] == {VMID: 0} and gpu["nvml_pids"] == [holder.pid]
         assert lab.gpus()[0]["visible_in"] == {}
+        # Only the container's GPUs are mapped, though the dev dir here has all four.
+        maps = map_lines(holder.pid, lab.dev)
+        assert (maps.get("nvidia3"), maps.get("nvidia1"), maps.get("nvidia0"), maps.get("nvidia2")) == (3, 2, None, None)
+        hidden = subprocess.run([PY, str(WORKLOAD), "plain", "--minors", "3", "--dev-dir", str(lab.dev)],
+                                capture_output=True, text=True, env=lab.env(CUDA_VISIBLE_DEVICES="1"),
+                                preexec_fn=join, timeout=30, check=False)
+        assert hidden.returncode == 1 and "hidden by CUDA_VISIBLE_DEVICES" in hidden.stderr  # index 1 is minor 1
     finally:
         holder.kill()
         holder.wait()

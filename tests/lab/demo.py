@@ -138,8 +138,8 @@ def main():
 
         step("2. Leave GPU memory stuck")
         workloads = {}
-        tp = run_workload("tp_server", "pve1", "101", [0, 1], 2048)
-        workloads["101"] = ("tp_server", "a parent and one worker per GPU, like SGLang tp=2", tp)
+        tp = run_workload("tp_nccl", "pve1", "101", [0, 1], 2048)
+        workloads["101"] = ("tp_nccl", "a launcher and two ranks linked by TCP, like SGLang tp=2; each maps both GPUs", tp)
         dl = run_workload("defunct_leader", "pve1", "102", [0], 4096)
         workloads["102"] = ("defunct_leader", "leader exited, its threads hold the GPU; fuser cannot see it", dl)
         fk = run_workload("fork_inherit", "pve1", "103", [0], 3072)

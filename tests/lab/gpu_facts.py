@@ -43,7 +43,24 @@ ROWS = {
     6: "mmap-only holder",
     7: "NVML pids across PID namespaces",
     8: "NVML-only client holds fds, maps nothing",
+    9: "every CUDA process maps every visible GPU",
+    10: "CUDA_VISIBLE_DEVICES hides a GPU's mappings",
+    11: "a TP rank maps its peers' GPUs",
+    12: "memory on both GPUs: 3 maps on both",
+    13: "PyTorch's stray context on GPU 0",
+    14: "fork child of a dead GPU-0 parent",
+    15: "defunct leader named on its threads' GPUs",
+    16: "PID namespace: per-GPU pids inside and out",
+    17: "CUDA IPC consumer keeps a dead producer's memory",
+    18: "NVML-only monitor of both GPUs maps nothing",
+    19: "a dead TP rank leaves unlisted residue",
+    20: "the size of a bare context",
+    21: "a TP job is linked by loopback TCP",
 }
+MULTI_GPU_ROWS = set(range(9, 22))
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+CONTEXT_MAPS, VISIBLE_MAPS = 3, 2      # map lines of /dev/nvidiaN: context / only visible (rows 9, 12)
+BARE_MIB = (450.0, 700.0)              # a bare context: 518-612 MiB on an H200 (rows 13, 15, 17, 20)
 
 PLAN = {
     1: ["read NVML memory v1 and v2 of GPU index 0 with no workload running",
@@ -75,6 +92,40 @@ PLAN = {
     8: ["start monitor (nvmlInit only) and plain",
         "assert the monitor holds fds of nvidiactl and nvidiaN, maps none, is not listed by NVML, fuser access F without m",
         "assert the plain holder maps nvidiactl, nvidiaN, nvidia-uvm (fuser access m)"],
+    9: ["start plain on GPU 0 with both GPUs visible",
+        "assert NVML lists it on GPU 0 with the memory, not on GPU 1 (no memory there)",
+        "assert /dev/nvidia<GPU0> 3 map lines, /dev/nvidia<GPU1> 2; fds on both, fewer on GPU 1",
+        "SIGKILL it: time kill -> reaped and kill -> memory free (polled every 2 ms)"],
+    10: ["start plain with CUDA_VISIBLE_DEVICES=1 (memory on GPU 1)",
+         "assert NVML lists it on GPU 1 only; GPU 1 3 map lines; GPU 0 0 map lines (fds may stay)"],
+    11: ["start tp_nccl: a launcher forks 2 NCCL ranks (rank r on GPU r), all_reduce",
+         "assert each rank listed on its own GPU only; own GPU 3 map lines, the peer's 2"],
+    12: ["start plain with memory on GPU 0 and GPU 1", "assert listed on both, 3 map lines on both"],
+    13: ["start stray_context: memory on GPU 1, then torch.cuda.synchronize() (cuda) / the lab's stray",
+         "assert listed on GPU 1 with the memory and on GPU 0 with a bare context; 3 map lines on both"],
+    14: ["start fork_inherit on GPU 0, SIGKILL the parent",
+         "assert NVML: the dead parent on GPU 0 only, GPU 1 empty; child 3 map lines GPU 0, 2 GPU 1"],
+    15: ["start defunct_leader whose thread allocated on GPU 1",
+         "assert NVML names the leader on GPU 1, and on exactly the GPUs its live thread maps 3 times",
+         "(cuda) assert PyTorch's bare context on GPU 0 too"],
+    16: ["start stray_context on GPU 1 in its own PID namespace (cuda: unshare; lab: the container)",
+         "assert from the host: the host pid on both GPUs; from inside: the namespace pid on both, each "
+         "GPU with its own MiB"],
+    17: ["start ipc_consumer: producer with memory on GPU 0, consumer imports it through CUDA IPC",
+         "assert before: producer with the memory, consumer a bare context",
+         "SIGKILL the producer: consumer charged with the producer's MiB, memory not freed; 3 map lines",
+         "SIGKILL the consumer: freed"],
+    18: ["start monitor (nvmlInit, reads both GPUs)", "assert not listed, fds on both GPU nodes, no mapping"],
+    19: ["start tp_nccl on GPUs 0,1; SIGKILL rank 1 and time it",
+         "assert GPU 1: residue used, no process listed; GPU 0: rank 0 unchanged; rank 0 maps GPU 1 twice "
+         "before and after; rank 0 alive --residue-wait s later, residue still there",
+         "SIGKILL rank 0: GPU 1 free (the whole job stopped)"],
+    20: ["start a bare context on GPU 0 (cuda: torch.zeros(1); lab: the stray context of stray_context)",
+         "assert its NVML MiB within 450-700 (518-612 measured); 3 map lines on its GPU"],
+    21: ["start tp_nccl on GPUs 0,1 and an unrelated CUDA holder (cuda: same parent, group, session)",
+         "match socket inodes of /proc/PID/fd with /proc/PID/net/tcp{,6}: established loopback links",
+         "assert >= 1 link rank0 <-> rank1, none with the unrelated holder or the launcher; no shared "
+         "/dev/shm mapping; MASTER_PORT not in environ; ranks share group, session, parent"],
 }
 
 # One NVML reader for every view: exec'd here, or run with `python -c` elsewhere.
@@ -89,6 +140,7 @@ def nvml_read(index):
     v2 = pynvml.nvmlDeviceGetMemoryInfo(h, version=pynvml.nvmlMemory_v2)
     procs = pynvml.nvmlDeviceGetComputeRunningProcesses(h)
     return {
+        "index": index, "minor": pynvml.nvmlDeviceGetMinorNumber(h),
         "v1_used_mib": round(v1.used / mib, 1), "v1_total_mib": round(v1.total / mib, 1),
         "v2_used_mib": round(v2.used / mib, 1), "reserved_mib": round(v2.reserved / mib, 1),
         "v2_total_mib": round(v2.total / mib, 1),
@@ -96,10 +148,13 @@ def nvml_read(index):
         "proc_mib": dict((str(p.pid), round((p.usedGpuMemory or 0) / mib, 1)) for p in procs),
     }
 
+def nvml_read_all():
+    return [nvml_read(i) for i in range(pynvml.nvmlDeviceGetCount())]
+
 if __name__ == "__main__":
     pynvml.nvmlInit()
     try:
-        print(json.dumps(nvml_read(int(sys.argv[1]))))
+        print(json.dumps(nvml_read_all() if sys.argv[1] == "all" else nvml_read(int(sys.argv[1]))))
     finally:
         pynvml.nvmlShutdown()
 '''
@@ -206,6 +261,85 @@ def map_devs(pid, tid=None):
             lines += 1
             names.add(dev)
     return lines, sorted(names)
+
+
+def dev_counts(pid, tid=None):
+    """{device name: {"fds": open fds, "maps": lines of /proc/PID/maps}} for every NVIDIA node."""
+    out = {}
+    for dev in fd_devs(pid, tid) or []:
+        out.setdefault(dev, {"fds": 0, "maps": 0})["fds"] += 1
+    for line in (read_text(proc_path(pid, tid) + "/maps") or "").splitlines():
+        parts = line.split(None, 5)
+        dev = dev_name(parts[5]) if len(parts) == 6 else None
+        if dev:
+            out.setdefault(dev, {"fds": 0, "maps": 0})["maps"] += 1
+    return out
+
+
+def node_of(counts, minor):
+    return counts.get("nvidia%d" % minor, {"fds": 0, "maps": 0})
+
+
+def shm_maps(pid):
+    names = set()
+    for line in (read_text("/proc/%d/maps" % pid) or "").splitlines():
+        parts = line.split(None, 5)
+        if len(parts) == 6 and parts[5].startswith("/dev/shm/"):
+            names.add(parts[5])
+    return names
+
+
+def socket_inodes(pid):
+    found = set()
+    try:
+        names = os.listdir("/proc/%d/fd" % pid)
+    except OSError:
+        return found
+    for name in names:
+        try:
+            target = os.readlink("/proc/%d/fd/%s" % (pid, name))
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            found.add(int(target[8:-1]))
+    return found
+
+
+def _tcp_addr(text):
+    import ipaddress
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        ip = ipaddress.IPv4Address(raw[::-1])
+    else:  # four little-endian 32-bit words
+        ip = ipaddress.IPv6Address(b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+        ip = ip.ipv4_mapped or ip
+    return str(ip), int(port, 16)
+
+
+def tcp_established(pid):
+    """{socket inode: (local, remote)} of pid's established TCP sockets, read in its network namespace."""
+    mine = socket_inodes(pid)
+    out = {}
+    for table in ("tcp", "tcp6"):
+        for line in (read_text("/proc/%d/net/%s" % (pid, table)) or "").splitlines()[1:]:
+            parts = line.split()
+            if len(parts) > 9 and parts[3] == "01" and int(parts[9]) in mine:
+                out[int(parts[9])] = (_tcp_addr(parts[1]), _tcp_addr(parts[2]))
+    return out
+
+
+def tcp_links(pid_a, pid_b):
+    """Established connections with one end in pid_a and the other in pid_b (same network namespace)."""
+    a, b = tcp_established(pid_a), tcp_established(pid_b)
+    ends_b = set((remote, local) for local, remote in b.values())
+    return sorted("%s:%d <-> %s:%d" % (local + remote) for local, remote in a.values() if (local, remote) in ends_b)
+
+
+def ids(pid):
+    text = read_text("/proc/%d/stat" % pid) or ""
+    fields = text[text.rfind(")") + 2:].split()
+    return {"ppid": int(fields[1]), "pgid": int(fields[2]), "sid": int(fields[3])} if len(fields) > 3 else {}
 
 
 def environ_has(pid, token):
@@ -317,6 +451,7 @@ class Backend:
     def __init__(self, args):
         self.args = args
         self.minor = None
+        self.minors = {}      # GPU index (NVML, or the container's) -> device minor
         self.alloc_mib = 0
         self.last_release = {}
 
@@ -335,14 +470,12 @@ class Backend:
         first = self.nvml("host")
         after, lag_ms = first, 0.0
         if not self.freed(first, base):
-            last = [first]
-
-            def poll():
-                last[0] = self.nvml("host")
-                return self.freed(last[0], base)
-
-            wait_until(poll, 10.0, step=0.01)
-            after, lag_ms = last[0], (time.monotonic() - t0) * 1000
+            # poll v2 used the fast way (in-process NVML / the lab driver's socket), so that the lag
+            # measured is the driver's, not the reader's; then one full reading
+            limit = base["v2_used_mib"] + self.tolerance_mib
+            wait_until(lambda: self.used_now(self.primary_index()) <= limit, 10.0, step=0.005)
+            lag_ms = (time.monotonic() - t0) * 1000
+            after = self.nvml("host")
         ok = self.freed(after, base) and lag_ms <= self.args.grace_ms
         detail = "v2 used %.1f MiB at once (base %.1f)" % (first["v2_used_mib"], base["v2_used_mib"])
         if after is not first:
@@ -360,6 +493,15 @@ class Backend:
         while True:
             m = self.nvml("host")
             if (not m["pids"] and m["v2_used_mib"] <= 64) or time.monotonic() >= deadline:
+                return m
+            time.sleep(0.1)
+
+    def wait_idle_all(self, timeout=10.0):
+        """{index: NVML reading} once no GPU lists a process and every v2 used is near zero."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.nvml_gpus("host")
+            if all(not g["pids"] and g["v2_used_mib"] <= 64 for g in m.values()) or time.monotonic() >= deadline:
                 return m
             time.sleep(0.1)
 
@@ -392,6 +534,45 @@ class Backend:
         return {"kill_to_exit_ms": round((t_exit - t0) * 1000, 1),
                 "kill_to_reaped_ms": round((t_reaped - t0) * 1000, 1)}
 
+    def primary_index(self):
+        """The GPU of rows 1-8: --index on the cuda backend, the container's index 0 in the lab."""
+        return self.args.index if self.name == "cuda" else 0
+
+    def gpu_count(self):
+        return len(self.minors)
+
+    def minor_of(self, index):
+        return self.minors[index]
+
+    def by_index(self, readings):
+        """NVML readings (each with its minor) -> {subject index: reading}."""
+        index_of = dict((m, i) for i, m in self.minors.items())
+        return dict((index_of[r["minor"]], r) for r in readings if r["minor"] in index_of)
+
+    def kill_timed(self, pid, index, base_mib, timeout=10.0):
+        """SIGKILL pid; poll every 2 ms until it is reaped and GPU index's v2 used is back to base_mib.
+        Returns kill -> exit / reaped / memory free (ms; None when not seen within timeout)."""
+        own_child = status(pid).get("PPid") == str(os.getpid())
+        t0 = time.monotonic()
+        self.kill(pid)
+        t = {"kill_to_reaped_ms": None, "kill_to_free_ms": None}
+        while time.monotonic() - t0 < timeout:
+            now_ms = round((time.monotonic() - t0) * 1000, 1)
+            if t["kill_to_free_ms"] is None and self.used_now(index) <= base_mib + self.tolerance_mib:
+                t["kill_to_free_ms"] = now_ms
+            if t["kill_to_reaped_ms"] is None:
+                if own_child:
+                    try:
+                        os.waitpid(pid, os.WNOHANG)
+                    except ChildProcessError:
+                        pass
+                if not os.path.exists("/proc/%d" % pid):
+                    t["kill_to_reaped_ms"] = now_ms
+            if None not in t.values():
+                break
+            time.sleep(0.002)
+        return t
+
     def fuser_pid(self, entries, host_pid):
         return [e for e in entries if e.get("host_pid") == host_pid]
 
@@ -411,6 +592,7 @@ class CudaBackend(Backend):
 
     name = "cuda"
     held_fraction = 0.9
+    torch_stray = True    # PyTorch's bare context on device 0 (rows 13, 15) is part of what is measured
 
     def __init__(self, args):
         super().__init__(args)
@@ -440,6 +622,8 @@ class CudaBackend(Backend):
         self._nvml_read = scope["nvml_read"]
         handle = pynvml.nvmlDeviceGetHandleByIndex(self.args.index)
         self.minor = pynvml.nvmlDeviceGetMinorNumber(handle)
+        self.minors = dict((i, pynvml.nvmlDeviceGetMinorNumber(pynvml.nvmlDeviceGetHandleByIndex(i)))
+                           for i in range(pynvml.nvmlDeviceGetCount()))
 
     def info(self):
         p = self.pynvml
@@ -462,6 +646,8 @@ class CudaBackend(Backend):
 
     def teardown(self):
         self.sweep()
+        if self.pynvml and self.minors:
+            self.wait_idle_all()  # the driver frees a killed job's memory (and residue) a moment later
         if self.lifeline:
             for fd in self.lifeline:
                 try:
@@ -475,13 +661,19 @@ class CudaBackend(Backend):
             except Exception:
                 pass
 
-    def env(self):
+    def env(self, visible=-1):
+        """visible: -1 the --index GPU alone (rows 1-8), None every GPU, or a list of NVML indexes."""
         env = dict(os.environ)
         key, value = self.token.split("=", 1)
         env[key] = value
         env["CUDA_DEVICE_ORDER"] = "PCI_BUS_ID"
-        env["CUDA_VISIBLE_DEVICES"] = str(self.args.index)
+        env.pop("CUDA_VISIBLE_DEVICES", None)
+        if visible == -1:
+            env["CUDA_VISIBLE_DEVICES"] = str(self.args.index)
+        elif visible is not None:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in visible)
         env["PYTHONUNBUFFERED"] = "1"
+        env.update(NO_MULTICAST)
         return env
 
     # -- processes we own
@@ -498,19 +690,25 @@ class CudaBackend(Backend):
             raise RuntimeError("refusing to signal pid %d: not started by this run" % pid)
         os.kill(pid, sig)
 
-    def start(self, scenario, pidns=False, gib=None):
+    def start(self, scenario, pidns=False, gib=None, gpus=None, visible=-1, flags=()):
+        """gpus: NVML indexes that get the memory (default: the --index GPU, as CUDA device 0);
+        visible: see env(); flags: more cuda_workload.py options."""
         gib = self.args.gib if gib is None else gib
         self.count += 1
         log_path = os.path.join(self.args.log_dir, "%02d-%s.log" % (self.count, scenario))
         cmd = [sys.executable, WORKLOAD, scenario, "--gib", str(gib), "--lifeline", str(self.lifeline[0]),
                "--lifetime", str(self.args.deadline + 60)]
+        if gpus is not None:
+            order = visible if isinstance(visible, list) else sorted(self.minors)
+            cmd += ["--devices", ",".join(str(order.index(g)) for g in gpus)]
+        cmd += list(flags)
         if self.args.allocator != "torch":  # rehearsal on the lab's fake driver
             cmd += ["--allocator", self.args.allocator, "--dev-dir", self.dev_dir, "--minor", str(self.minor)]
         if pidns:
             cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child"] + cmd
         with open(log_path, "wb") as log:
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
-                                    env=self.env(), pass_fds=(self.lifeline[0],), start_new_session=True)
+                                    env=self.env(visible), pass_fds=(self.lifeline[0],), start_new_session=True)
         self.procs.append(proc)
         self.owned[proc.pid] = start_time(proc.pid)
         try:
@@ -603,6 +801,19 @@ class CudaBackend(Backend):
             raise ValueError(view)
         return json.loads(run_cmd(cmd, 60, env=self.env()).stdout.strip().splitlines()[-1])
 
+    def nvml_gpus(self, view="host", ref=None):
+        if view == "host":
+            return self.by_index([self._nvml_read(i) for i in sorted(self.minors)])
+        code = [sys.executable, "-c", NVML_QUERY, "all"]
+        if view == "same":
+            cmd = ["nsenter", "--target", str(ref), "--pid", "--mount", "--"] + code
+        else:
+            cmd = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child", "--"] + code
+        return self.by_index(json.loads(run_cmd(cmd, 60, env=self.env()).stdout.strip().splitlines()[-1]))
+
+    def used_now(self, index):
+        return self._nvml_read(index)["v2_used_mib"]
+
     def fuser(self, ref=None):
         files = [f for f in sorted(glob.glob(os.path.join(self.dev_dir, "nvidia*")) +
                                    glob.glob(os.path.join(self.dev_dir, "nvidia-caps", "*")))
@@ -635,6 +846,24 @@ class CudaBackend(Backend):
                 "unshare --pid --fork --mount-proc --kill-child -- %s -c NVML_QUERY" % sys.executable],
             8: [work.replace("SCENARIO", "monitor"), work.replace("SCENARIO", "plain")],
         }
+        every = "CUDA_VISIBLE_DEVICES unset; NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1"
+        multi = {
+            9: [every, work.replace("SCENARIO", "plain") + " --devices 0"],
+            10: ["CUDA_VISIBLE_DEVICES=1 " + work.replace("SCENARIO", "plain") + " --devices 0"],
+            11: [work.replace("SCENARIO", "tp_nccl") + " --devices 0,1"],
+            12: [work.replace("SCENARIO", "plain") + " --devices 0,1"],
+            13: [work.replace("SCENARIO", "stray_context") + " --devices 1"],
+            14: [work.replace("SCENARIO", "fork_inherit") + " --devices 0"],
+            15: [work.replace("SCENARIO", "defunct_leader") + " --devices 1 --alloc-in-thread"],
+            16: ["unshare --pid --fork --mount-proc --kill-child " + work.replace("SCENARIO", "stray_context")
+                 + " --devices 1", "nsenter --target HOLDER --pid --mount -- %s -c NVML_QUERY all" % sys.executable],
+            17: [work.replace("SCENARIO", "ipc_consumer") + " --devices 0"],
+            18: [work.replace("SCENARIO", "monitor")],
+            19: [work.replace("SCENARIO", "tp_nccl") + " --devices 0,1"],
+            20: [work.replace("SCENARIO", "bare_context") + " --devices 0"],
+            21: [work.replace("SCENARIO", "tp_nccl") + " --devices 0,1 --bystander --bystander-gib 1"],
+        }
+        extra.update(multi)
         return extra[row]
 
 
@@ -661,6 +890,7 @@ class LabBackend(Backend):
 
     name = "lab"
     floor_expected = 615.0
+    torch_stray = False   # the lab's defunct_leader has no stray context (row 15 checks the rule, not PyTorch)
 
     def __init__(self, args):
         super().__init__(args)
@@ -692,6 +922,8 @@ class LabBackend(Backend):
         if not libs:
             raise RuntimeError("no libnvidia-ml.so.1 under %s" % self.state)
         self.lib_dir = os.path.dirname(sorted(libs, key=len)[0])
+        with open(os.path.join(self.state, "nodes", self.node, "containers", "%d.json" % self.vmid)) as f:
+            self.minors = dict(enumerate(json.load(f)["minors"]))
         gpus = self.gpus()
         index0 = [g for g in gpus if str(self.vmid) in {str(k) for k in g["visible_in"]}
                   and g["visible_in"].get(str(self.vmid), g["visible_in"].get(self.vmid)) == 0]
@@ -732,6 +964,29 @@ class LabBackend(Backend):
     def exec_ct(self, vmid, argv, timeout=60, check=True):
         return self.labctl("exec", "--node", self.node, "--vmid", str(vmid), "--", *argv, timeout=timeout, check=check)
 
+    def nvml_gpus(self, view="host", ref=None):
+        if view == "host":
+            res = run_cmd([sys.executable, "-c", NVML_QUERY, "all"], 60, env=self.host_nvml_env())
+        else:
+            vmid = self.vmid if view == "same" else self.other_vmid
+            res = self.exec_ct(vmid, [self.ct_python[vmid], "-c", NVML_QUERY, "all"])
+        return self.by_index(json.loads(res.stdout.strip().splitlines()[-1]))
+
+    def used_now(self, index):
+        """v2 used of container GPU index, straight from the driver daemon (fast enough to time)."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10)
+            sock.connect(os.path.join(self.state, "driver", "driver.sock"))
+            sock.sendall(json.dumps({"op": "snapshot", "node": self.node}).encode() + b"\n")
+            data = b""
+            while not data.endswith(b"\n"):
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                data += chunk
+        minor = self.minor_of(index)
+        return next(g["used_mib"] for g in json.loads(data.decode())["gpus"] if g["minor"] == minor)
+
     def nvml(self, view="host", ref=None):
         if view == "host":   # the stand-in library loaded in the host namespaces
             res = run_cmd([sys.executable, "-c", NVML_QUERY, "0"], 60, env=self.host_nvml_env())
@@ -757,14 +1012,19 @@ class LabBackend(Backend):
         except (RuntimeError, ProcessLookupError):
             pass
 
-    def start(self, scenario, pidns=False, gib=None):
-        argv = ["run", scenario, "--node", self.node, "--vmid", str(self.vmid), "--gpus", "0"]
+    def start(self, scenario, pidns=False, gib=None, gpus=None, visible=-1, flags=()):
+        """gpus: the container's NVML indexes (default 0); visible: a list sets --cuda-visible-devices.
+        flags (cuda_workload.py options) have no lab counterpart and are left out."""
+        argv = ["run", scenario, "--node", self.node, "--vmid", str(self.vmid),
+                "--gpus", ",".join(str(g) for g in (gpus if gpus is not None else [0]))]
+        if isinstance(visible, list):
+            argv += ["--cuda-visible-devices", ",".join(str(g) for g in visible)]
         if scenario != "monitor":
-            argv += ["--mib", str(self.alloc_mib)]
+            argv += ["--mib", str(self.alloc_mib if gib is None else int(gib * GIB_MIB))]
         res = self.labctl(*argv, timeout=60)
         doc = json.loads(res.stdout.strip().splitlines()[-1])
         roles = {k: int(v) for k, v in doc["roles"].items() if isinstance(v, int)}
-        pids = list(doc.get("host_pids") or []) + list(roles.values())
+        pids = [p for p in list(doc.get("host_pids") or []) + list(roles.values()) if p is not None]
         for pid in pids:
             if pid not in self.started and os.path.exists("/proc/%d" % pid):
                 self.started[pid] = start_time(pid)
@@ -800,6 +1060,21 @@ class LabBackend(Backend):
             7: [run.replace("SCENARIO", "plain"), "NVML from host, from ct101 (same ns), from ct102 (other ns)"],
             8: [run.replace("SCENARIO", "monitor").replace(" --mib %d" % self.alloc_mib, ""),
                 run.replace("SCENARIO", "plain")],
+            9: [run.replace("SCENARIO", "plain")],
+            10: [run.replace("SCENARIO", "plain").replace("--gpus 0", "--gpus 1 --cuda-visible-devices 1")],
+            11: [run.replace("SCENARIO", "tp_nccl").replace("--gpus 0", "--gpus 0,1")],
+            12: [run.replace("SCENARIO", "plain").replace("--gpus 0", "--gpus 0,1")],
+            13: [run.replace("SCENARIO", "stray_context").replace("--gpus 0", "--gpus 1")],
+            14: [run.replace("SCENARIO", "fork_inherit")],
+            15: [run.replace("SCENARIO", "defunct_leader").replace("--gpus 0", "--gpus 1")],
+            16: [run.replace("SCENARIO", "stray_context").replace("--gpus 0", "--gpus 1"),
+                 "NVML from the host and from ct101 (its namespace)"],
+            17: [run.replace("SCENARIO", "ipc_consumer")],
+            18: [run.replace("SCENARIO", "monitor").replace(" --mib %d" % self.alloc_mib, "")],
+            19: [run.replace("SCENARIO", "tp_nccl").replace("--gpus 0", "--gpus 0,1")],
+            20: [run.replace("SCENARIO", "stray_context").replace("--gpus 0", "--gpus 1") + " (its GPU 0 context)"],
+            21: [run.replace("SCENARIO", "tp_nccl").replace("--gpus 0", "--gpus 0,1"),
+                 run.replace("SCENARIO", "plain") + " (the unrelated holder)"],
         }
         return extra[row]
 
@@ -813,7 +1088,11 @@ class Row:
         self.checks = []
         self.measured = {}
         self.error = None
+        self.skipped = None
         self.seconds = 0.0
+
+    def skip(self, reason):
+        self.skipped = reason
 
     def check(self, name, ok, detail=""):
         self.checks.append({"name": name, "ok": bool(ok), "detail": str(detail)})
@@ -823,10 +1102,19 @@ class Row:
     def passed(self):
         return self.error is None and bool(self.checks) and all(c["ok"] for c in self.checks)
 
+    @property
+    def status(self):
+        if self.skipped and self.error is None and not self.checks:
+            return "SKIP"
+        return "PASS" if self.passed else "FAIL"
+
     def to_json(self):
-        return {"row": self.number, "title": self.title, "status": "PASS" if self.passed else "FAIL",
-                "measured": self.measured, "checks": self.checks, "error": self.error,
-                "seconds": round(self.seconds, 2)}
+        out = {"row": self.number, "title": self.title, "status": self.status,
+               "measured": self.measured, "checks": self.checks, "error": self.error,
+               "seconds": round(self.seconds, 2)}
+        if self.skipped:
+            out["skipped"] = self.skipped
+        return out
 
 
 def role(w, *names):
@@ -1070,7 +1358,390 @@ def row8(b, r):
         b.stop(mon)
 
 
-ROW_FUNCS = {1: row1, 2: row2, 3: row3, 4: row4, 5: row5, 6: row6, 7: row7, 8: row8}
+# ---------------------------------------------------------------- rows 9-21: several GPUs (A = index 0, B = index 1)
+
+def two_gpus(b, r):
+    """Minors of GPU indexes 0 and 1, or None after marking the row SKIP."""
+    if b.gpu_count() < 2:
+        r.skip("needs 2 GPUs, %d here" % b.gpu_count())
+        return None
+    return b.minor_of(0), b.minor_of(1)
+
+
+def listed_mib(reading, pid):
+    return reading["proc_mib"].get(str(pid)) if pid in reading["pids"] else None
+
+
+def named_on(m, pid):
+    return sorted(i for i, g in m.items() if pid in g["pids"])
+
+
+def is_bare(mib):
+    return mib is not None and BARE_MIB[0] <= mib <= BARE_MIB[1]
+
+
+def record_nodes(r, key, pid, minors, tid=None):
+    """Record {gpu index: {fds, maps}} of pid's /dev/nvidiaN under key; returns it."""
+    counts = dev_counts(pid, tid)
+    got = dict((str(i), node_of(counts, m)) for i, m in enumerate(minors))
+    r.measured[key] = got
+    return got
+
+
+def held_delta(b, m, base, index):
+    return round(m[index]["v2_used_mib"] - base[index]["v2_used_mib"], 1)
+
+
+def row9(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    base = b.wait_idle_all()
+    w = b.start("plain", gpus=[0], visible=None)
+    try:
+        pid = role(w, "holder")
+        m = b.nvml_gpus("host")
+        nodes = record_nodes(r, "nodes", pid, minors)
+        r.measured.update(gpu0_mib=listed_mib(m[0], pid), gpu1_pids=m[1]["pids"],
+                          gpu1_used_delta_mib=held_delta(b, m, base, 1))
+        r.check("GPU 0 lists it with the memory", (listed_mib(m[0], pid) or 0) >= b.held_fraction * b.alloc_mib,
+                m[0]["proc_mib"])
+        r.check("GPU 1 does not list it", pid not in m[1]["pids"], m[1]["pids"])
+        r.check("no memory on GPU 1", held_delta(b, m, base, 1) <= b.tolerance_mib, m[1]["v2_used_mib"])
+        r.check("GPU 0 node: %d map lines (context)" % CONTEXT_MAPS, nodes["0"]["maps"] == CONTEXT_MAPS, nodes["0"])
+        r.check("GPU 1 node: %d map lines (visible only)" % VISIBLE_MAPS, nodes["1"]["maps"] == VISIBLE_MAPS,
+                nodes["1"])
+        r.check("fds on both nodes, fewer on GPU 1", nodes["0"]["fds"] > nodes["1"]["fds"] > 0, nodes)
+        t = b.kill_timed(pid, 0, base[0]["v2_used_mib"])
+        r.measured.update(t)
+        free, reaped = t["kill_to_free_ms"], t["kill_to_reaped_ms"]
+        r.check("memory free after SIGKILL", free is not None, t)
+        r.check("free delay 50-500 ms (0.12-0.2 s on the H200)", free is not None and 50 <= free <= 500, t)
+        r.check("back by the time it is reaped (within --grace-ms)",
+                None not in (free, reaped) and free - reaped <= b.args.grace_ms, t)
+    finally:
+        b.stop(w)
+
+
+def row10(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    base = b.wait_idle_all()
+    w = b.start("plain", gpus=[1], visible=[1])
+    try:
+        pid = role(w, "holder")
+        m = b.nvml_gpus("host")
+        nodes = record_nodes(r, "nodes", pid, minors)
+        r.measured.update(named_on=named_on(m, pid), gpu1_mib=listed_mib(m[1], pid))
+        r.check("NVML lists it on GPU 1 only", named_on(m, pid) == [1], named_on(m, pid))
+        r.check("with the memory", (listed_mib(m[1], pid) or 0) >= b.held_fraction * b.alloc_mib, m[1]["proc_mib"])
+        r.check("GPU 0 unused", held_delta(b, m, base, 0) <= b.tolerance_mib, m[0]["v2_used_mib"])
+        r.check("GPU 1 node: %d map lines" % CONTEXT_MAPS, nodes["1"]["maps"] == CONTEXT_MAPS, nodes["1"])
+        r.check("hidden GPU 0: no mapping (fds may stay)", nodes["0"]["maps"] == 0, nodes["0"])
+    finally:
+        b.stop(w)
+
+
+def tp_ranks(w, n=2):
+    return [role(w, "rank%d" % i) for i in range(n)]
+
+
+def row11(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    b.wait_idle_all()
+    w = b.start("tp_nccl", gpus=[0, 1], visible=None)
+    try:
+        ranks = tp_ranks(w)
+        m = b.nvml_gpus("host")
+        for i, pid in enumerate(ranks):
+            nodes = record_nodes(r, "rank%d_nodes" % i, pid, minors)
+            own, peer = str(i), str(1 - i)
+            r.measured["rank%d_named_on" % i] = named_on(m, pid)
+            r.measured["rank%d_mib" % i] = listed_mib(m[i], pid)
+            r.check("rank %d listed on its own GPU only" % i, named_on(m, pid) == [i], named_on(m, pid))
+            r.check("rank %d: own GPU %d map lines, the peer's %d" % (i, CONTEXT_MAPS, VISIBLE_MAPS),
+                    nodes[own]["maps"] == CONTEXT_MAPS and nodes[peer]["maps"] == VISIBLE_MAPS, nodes)
+            r.check("rank %d: fds on both nodes" % i, nodes[own]["fds"] > 0 and nodes[peer]["fds"] > 0, nodes)
+    finally:
+        b.stop(w)
+
+
+def row12(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    b.wait_idle_all()
+    w = b.start("plain", gpus=[0, 1], visible=None)
+    try:
+        pid = role(w, "holder")
+        m = b.nvml_gpus("host")
+        nodes = record_nodes(r, "nodes", pid, minors)
+        r.measured.update(named_on=named_on(m, pid), mib=[listed_mib(m[0], pid), listed_mib(m[1], pid)])
+        r.check("listed on both GPUs with the memory", all(
+            (listed_mib(m[i], pid) or 0) >= b.held_fraction * b.alloc_mib for i in (0, 1)), r.measured["mib"])
+        r.check("%d map lines on both" % CONTEXT_MAPS, all(n["maps"] == CONTEXT_MAPS for n in nodes.values()), nodes)
+    finally:
+        b.stop(w)
+
+
+def row13(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    b.wait_idle_all()
+    w = b.start("stray_context", gpus=[1], visible=None)
+    try:
+        pid = role(w, "holder")
+        m = b.nvml_gpus("host")
+        nodes = record_nodes(r, "nodes", pid, minors)
+        r.measured.update(gpu1_mib=listed_mib(m[1], pid), gpu0_mib=listed_mib(m[0], pid))
+        r.check("listed on GPU 1 with the memory", (listed_mib(m[1], pid) or 0) >= b.held_fraction * b.alloc_mib,
+                m[1]["proc_mib"])
+        r.check("and on GPU 0 with a bare context (%g-%g MiB)" % BARE_MIB, is_bare(listed_mib(m[0], pid)),
+                m[0]["proc_mib"])
+        r.check("%d map lines on both" % CONTEXT_MAPS, all(n["maps"] == CONTEXT_MAPS for n in nodes.values()), nodes)
+    finally:
+        b.stop(w)
+
+
+def row14(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    base = b.wait_idle_all()
+    w = b.start("fork_inherit", gpus=[0], visible=None)
+    try:
+        parent, child = role(w, "parent"), role(w, "child", "dataloader")
+        if state_letter(parent) not in (None, "Z"):
+            r.measured["parent_kill"] = b.kill_wait(parent)
+        m = b.nvml_gpus("host")
+        nodes = record_nodes(r, "child_nodes", child, minors)
+        r.measured.update(gpu0_pids=m[0]["pids"], gpu1_pids=m[1]["pids"], parent=parent, child=child,
+                          gpu0_used_delta_mib=held_delta(b, m, base, 0))
+        r.check("GPU 0 lists the dead parent only", m[0]["pids"] == [parent], m[0]["pids"])
+        r.check("memory held on GPU 0", held_delta(b, m, base, 0) >= b.held_fraction * b.alloc_mib,
+                m[0]["v2_used_mib"])
+        r.check("GPU 1 empty", not m[1]["pids"] and held_delta(b, m, base, 1) <= b.tolerance_mib, m[1])
+        r.check("child: GPU 0 node %d map lines, GPU 1 %d" % (CONTEXT_MAPS, VISIBLE_MAPS),
+                nodes["0"]["maps"] == CONTEXT_MAPS and nodes["1"]["maps"] == VISIBLE_MAPS, nodes)
+        r.check("child: fds on both nodes", nodes["0"]["fds"] > 0 and nodes["1"]["fds"] > 0, nodes)
+    finally:
+        b.stop(w)
+
+
+def row15(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    b.wait_idle_all()
+    w = b.start("defunct_leader", gpus=[1], visible=None, flags=["--alloc-in-thread"])
+    try:
+        leader = role(w, "leader")
+        defunct = wait_until(lambda: status(leader).get("State", "").startswith("Z")
+                             and int(status(leader).get("Threads", "0")) > 1, 10.0, step=0.01)
+        r.check("leader is Z with threads alive", defunct, status(leader).get("State"))
+        m = b.nvml_gpus("host")
+        leader_nodes = dev_counts(leader)
+        live = [t for t in tasks(leader) if t != leader]
+        thread_nodes = record_nodes(r, "thread_nodes", leader, minors, tid=live[0]) if live else {}
+        context = sorted(int(i) for i, n in thread_nodes.items() if n["maps"] >= CONTEXT_MAPS)
+        r.measured.update(leader_nodes=leader_nodes, named_on=named_on(m, leader), context_gpus=context,
+                          mib=[listed_mib(m[0], leader), listed_mib(m[1], leader)])
+        r.check("leader's own tables name no node", not leader_nodes, leader_nodes)
+        r.check("NVML names the leader on GPU 1 with the memory",
+                (listed_mib(m[1], leader) or 0) >= b.held_fraction * b.alloc_mib, m[1]["proc_mib"])
+        r.check("on exactly the GPUs its live thread maps %d times" % CONTEXT_MAPS,
+                named_on(m, leader) == context and 1 in context, "named %s, context %s" % (named_on(m, leader), context))
+        if b.torch_stray:
+            r.check("PyTorch's bare context on GPU 0", is_bare(listed_mib(m[0], leader)), m[0]["proc_mib"])
+    finally:
+        b.stop(w)
+
+
+def row16(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    b.wait_idle_all()
+    w = b.start("stray_context", pidns=True, gpus=[1], visible=None)
+    try:
+        pid = role(w, "holder")
+        ns_pid = nspids(pid)[-1]
+        host = b.nvml_gpus("host")
+        inside = b.nvml_gpus("same", pid)
+        r.measured.update(host_pid=pid, ns_pid=ns_pid, host_view=dict((str(i), g["proc_mib"]) for i, g in host.items()),
+                          inside_view=dict((str(i), g["proc_mib"]) for i, g in inside.items()))
+        r.check("NSpid has two levels", ns_pid != pid, nspids(pid))
+        r.check("from the host: the host pid on both GPUs", named_on(host, pid) == [0, 1], named_on(host, pid))
+        r.check("from inside: the namespace pid on both GPUs", named_on(inside, ns_pid) == [0, 1],
+                named_on(inside, ns_pid))
+        r.check("each GPU with its own MiB (GPU 1 the memory, GPU 0 a bare context)",
+                (listed_mib(inside[1], ns_pid) or 0) >= b.held_fraction * b.alloc_mib
+                and is_bare(listed_mib(inside[0], ns_pid)), r.measured["inside_view"])
+    finally:
+        b.stop(w)
+
+
+def row17(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    base = b.wait_idle_all()
+    w = b.start("ipc_consumer", gpus=[0], visible=None)
+    try:
+        producer, consumer = w.roles.get("producer"), role(w, "consumer")
+        if producer is not None:
+            m = b.nvml_gpus("host")
+            before = {"producer": listed_mib(m[0], producer), "consumer": listed_mib(m[0], consumer)}
+            r.measured["before"] = before
+            r.check("before: producer with the memory", (before["producer"] or 0) >= b.held_fraction * b.alloc_mib,
+                    m[0]["proc_mib"])
+            r.check("before: consumer a bare context", is_bare(before["consumer"]), m[0]["proc_mib"])
+            r.measured["producer_kill"] = b.kill_wait(producer)
+        else:  # the lab's scenario kills and reaps the producer itself: only "after" can be read
+            r.measured["before"] = "producer killed by the scenario (%s)" % w.doc.get("dead")
+        time.sleep(0.5)  # past any free delay: what stays, stays
+        m = b.nvml_gpus("host")
+        nodes = record_nodes(r, "consumer_nodes", consumer, minors)
+        after = {"producer": listed_mib(m[0], producer) if producer else None,
+                 "consumer": listed_mib(m[0], consumer), "used_delta": held_delta(b, m, base, 0)}
+        r.measured["after"] = after
+        r.check("after: GPU 0 lists the consumer alone (the dead producer gone)", m[0]["pids"] == [consumer],
+                m[0]["pids"])
+        r.check("after: consumer charged with the producer's MiB",
+                (after["consumer"] or 0) >= b.held_fraction * b.alloc_mib, m[0]["proc_mib"])
+        r.check("memory not freed", after["used_delta"] >= b.held_fraction * b.alloc_mib, m[0]["v2_used_mib"])
+        r.check("consumer: %d map lines on GPU 0" % CONTEXT_MAPS, nodes["0"]["maps"] == CONTEXT_MAPS, nodes)
+        t = b.kill_timed(consumer, 0, base[0]["v2_used_mib"])
+        r.measured["consumer_kill"] = t
+        r.check("SIGKILL to the consumer frees it", t["kill_to_free_ms"] is not None, t)
+    finally:
+        b.stop(w)
+
+
+def row18(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    b.wait_idle_all()
+    w = b.start("monitor", visible=None)
+    try:
+        pid = role(w, "monitor")
+        m = b.nvml_gpus("host")
+        counts = dev_counts(pid)
+        nodes = record_nodes(r, "nodes", pid, minors)
+        r.measured.update(named_on=named_on(m, pid), devs=counts)
+        r.check("not listed by NVML", not named_on(m, pid), named_on(m, pid))
+        r.check("fds on both GPU nodes", all(n["fds"] > 0 for n in nodes.values()), nodes)
+        r.check("no mapping of any NVIDIA node", all(c["maps"] == 0 for c in counts.values()), counts)
+    finally:
+        b.stop(w)
+
+
+def row19(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    base = b.wait_idle_all()
+    w = b.start("tp_nccl", gpus=[0, 1], visible=None)
+    try:
+        rank0, rank1 = tp_ranks(w)
+        m = b.nvml_gpus("host")
+        rank0_mib = listed_mib(m[0], rank0)
+        before = record_nodes(r, "rank0_nodes_before", rank0, minors)
+        t = b.kill_timed(rank1, 1, base[1]["v2_used_mib"], timeout=1.0)  # the residue never frees: stop early
+        r.measured["rank1_kill"] = t
+        time.sleep(0.5)  # past the free delay
+        m = b.nvml_gpus("host")
+        residue = held_delta(b, m, base, 1)
+        r.measured.update(residue_mib=residue, gpu1_pids=m[1]["pids"], rank0_mib_before=rank0_mib,
+                          rank0_mib_after=listed_mib(m[0], rank0))
+        r.check("rank 1 reaped", t["kill_to_reaped_ms"] is not None, t)
+        r.check("GPU 1: residue used (0 < MiB < 1024), rank 1's own memory back", 0 < residue < 1024,
+                "%.0f MiB" % residue)
+        r.check("GPU 1: no process listed", not m[1]["pids"], m[1]["pids"])
+        r.check("GPU 0: rank 0 unchanged", rank0_mib is not None and listed_mib(m[0], rank0) == rank0_mib,
+                "%s -> %s" % (rank0_mib, listed_mib(m[0], rank0)))
+        time.sleep(b.args.residue_wait)
+        after = record_nodes(r, "rank0_nodes_after", rank0, minors)
+        m = b.nvml_gpus("host")
+        r.measured["residue_mib_later"] = held_delta(b, m, base, 1)
+        r.check("rank 0 alive %g s later" % b.args.residue_wait, state_letter(rank0) not in (None, "Z"),
+                state_letter(rank0))
+        r.check("residue still there", held_delta(b, m, base, 1) > 0, m[1]["v2_used_mib"])
+        r.check("rank 0 maps GPU 1 %d times, before and after: no mapping shows the residue" % VISIBLE_MAPS,
+                before["1"]["maps"] == VISIBLE_MAPS and after["1"]["maps"] == VISIBLE_MAPS, [before, after])
+        t0 = b.kill_timed(rank0, 1, base[1]["v2_used_mib"])
+        r.measured["rank0_kill"] = t0
+        r.check("GPU 1 free once the whole job stopped", t0["kill_to_free_ms"] is not None, t0)
+    finally:
+        b.stop(w)
+
+
+def row20(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    base = b.wait_idle_all()
+    if b.name == "cuda":
+        w = b.start("bare_context", gpus=[0], visible=None)
+    else:  # the lab's bare context: the stray one of stray_context
+        w = b.start("stray_context", gpus=[1], visible=None)
+    try:
+        pid = role(w, "holder")
+        m = b.nvml_gpus("host")
+        nodes = record_nodes(r, "nodes", pid, minors)
+        mib = listed_mib(m[0], pid)
+        r.measured.update(bare_mib=mib, v2_used_delta_mib=held_delta(b, m, base, 0))
+        r.check("a bare context: %g-%g MiB (518-612 on the H200)" % BARE_MIB, is_bare(mib), m[0]["proc_mib"])
+        r.check("%d map lines on its GPU" % CONTEXT_MAPS, nodes["0"]["maps"] == CONTEXT_MAPS, nodes)
+    finally:
+        b.stop(w)
+
+
+def row21(b, r):
+    minors = two_gpus(b, r)
+    if not minors:
+        return
+    b.wait_idle_all()
+    flags = ["--bystander", "--bystander-gib", "1"]
+    w = b.start("tp_nccl", gpus=[0, 1], visible=None, flags=flags)
+    other = None
+    try:
+        rank0, rank1 = tp_ranks(w)
+        parent = w.roles.get("parent")
+        if "bystander" in w.roles:
+            bystander, beside = w.roles["bystander"], True
+        else:  # the lab: an unrelated holder started on its own
+            other = b.start("plain", gpus=[0], visible=None)
+            bystander, beside = role(other, "holder"), False
+        links = tcp_links(rank0, rank1)
+        stray = dict(("%s-%s" % (a, c), tcp_links(x, y)) for a, x in (("bystander", bystander), ("parent", parent))
+                     for c, y in (("rank0", rank0), ("rank1", rank1)) if x)
+        shared_shm = sorted(shm_maps(rank0) & shm_maps(rank1))
+        family = dict((name, ids(pid)) for name, pid in (("rank0", rank0), ("rank1", rank1), ("bystander", bystander)))
+        r.measured.update(links=links, link_count=len(links), other_links=stray, shared_shm=shared_shm,
+                          ids=family, bystander_beside_ranks=beside)
+        r.check(">= 1 established TCP link rank 0 <-> rank 1", len(links) >= 1, links)
+        r.check("none with the unrelated holder or the launcher", not any(stray.values()), stray)
+        r.check("no shared /dev/shm mapping", not shared_shm, shared_shm)
+        r.check("MASTER_PORT not in the ranks' environ", not any(
+            b"MASTER_PORT" in (read_text("/proc/%d/environ" % p) or "").encode() for p in (rank0, rank1)))
+        r.check("ranks share process group, session and parent", family["rank0"] == family["rank1"], family)
+        if beside:
+            r.check("and so does the unrelated holder", family["bystander"] == family["rank0"], family)
+    finally:
+        if other:
+            b.stop(other)
+        b.stop(w)
+
+
+ROW_FUNCS = {1: row1, 2: row2, 3: row3, 4: row4, 5: row5, 6: row6, 7: row7, 8: row8, 9: row9, 10: row10,
+             11: row11, 12: row12, 13: row13, 14: row14, 15: row15, 16: row16, 17: row17, 18: row18, 19: row19,
+             20: row20, 21: row21}
 
 
 # ---------------------------------------------------------------- main
@@ -1085,7 +1756,22 @@ def summary(r):
         6: ["map_lines", "fuser_access", "kill_to_reaped_ms"],
         7: ["nspid", "host_view", "same_ns_view", "other_ns_view", "other_ns_v2_used_mib"],
         8: ["monitor_fd_devs", "monitor_map_lines", "monitor_fuser_access", "holder_fuser_access"],
-    }[r.number]
+        9: ["nodes", "gpu0_mib", "gpu1_pids", "kill_to_reaped_ms", "kill_to_free_ms"],
+        10: ["nodes", "named_on", "gpu1_mib"],
+        11: ["rank0_nodes", "rank1_nodes", "rank0_mib", "rank1_mib"],
+        12: ["nodes", "mib"],
+        13: ["nodes", "gpu1_mib", "gpu0_mib"],
+        14: ["child_nodes", "gpu0_pids", "gpu1_pids"],
+        15: ["thread_nodes", "named_on", "context_gpus", "mib"],
+        16: ["host_pid", "ns_pid", "host_view", "inside_view"],
+        17: ["before", "after", "consumer_nodes"],
+        18: ["nodes", "named_on"],
+        19: ["residue_mib", "residue_mib_later", "gpu1_pids", "rank1_kill", "rank0_nodes_after"],
+        20: ["bare_mib", "v2_used_delta_mib", "nodes"],
+        21: ["link_count", "links", "other_links", "shared_shm"],
+    }.get(r.number, [])
+    if r.status == "SKIP":
+        return r.skipped
     parts = []
     for k in keys:
         if k not in r.measured:
@@ -1095,6 +1781,8 @@ def summary(r):
             v = ", ".join("%g GiB %.0f ms" % (x["gib"], x["kill_to_reaped_ms"]) for x in v)
         elif k == "child_kill":
             v = "%.0f ms" % v["kill_to_reaped_ms"]
+        elif k.endswith("nodes"):
+            v = " ".join("%s:%s/%s" % (i, n["fds"], n["maps"]) for i, n in sorted(v.items()))
         parts.append("%s=%s" % (k, v))
     bad = [c["name"] + " (" + c["detail"][:120] + ")" for c in r.checks if not c["ok"]]
     if r.error:
@@ -1106,7 +1794,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["lab", "cuda"], required=True)
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--rows", default="1-8", help="rows to run: '1-8', '2,4'")
+    p.add_argument("--rows", default="1-21", help="rows to run: '1-21', '9-21', '2,4'")
+    p.add_argument("--residue-wait", type=float, default=3.0, help="row 19: seconds rank 0 must outlive rank 1")
     p.add_argument("--dry-run", action="store_true", help="print the plan; start nothing")
     p.add_argument("--deadline", type=int, default=360, help="seconds for the whole run, then clean up and FAIL")
     p.add_argument("--log-dir", help="workload logs (default: beside --json, else a temp folder)")
@@ -1210,7 +1899,7 @@ def main(argv=None):
                 r.error = traceback.format_exc()
             finally:
                 r.seconds = time.monotonic() - t0
-            print("row %d %s %s: %s" % (r.number, "PASS" if r.passed else "FAIL", r.title, summary(r)), flush=True)
+            print("row %d %s %s: %s" % (r.number, r.status, r.title, summary(r)), flush=True)
     except (Deadline, Stop) as exc:
         aborted = str(exc)
     except Exception:
@@ -1224,12 +1913,12 @@ def main(argv=None):
         except Exception:
             aborted = (aborted or "") + "\nteardown: " + traceback.format_exc()
     for r in rows:
-        if not r.checks and r.error is None:
+        if not r.checks and r.error is None and not r.skipped:
             r.error = "not run: %s" % (aborted or "?").strip().splitlines()[-1]
     doc["rows"] = [r.to_json() for r in rows]
     doc["aborted"] = aborted
     doc["seconds"] = round(time.monotonic() - t_start, 1)
-    doc["ok"] = aborted is None and all(r.passed for r in rows)
+    doc["ok"] = aborted is None and all(r.status != "FAIL" for r in rows)
     if aborted:
         print("gpu-facts: aborted: %s" % aborted.strip(), file=sys.stderr)
     if args.json:
@@ -1237,9 +1926,10 @@ def main(argv=None):
         with open(args.json, "w") as f:
             json.dump(doc, f, indent=1)
             f.write("\n")
-    passed = sum(r.passed for r in rows)
-    print("gpu-facts: %d/%d rows PASS in %.1f s%s" % (passed, len(rows), doc["seconds"],
-                                                      (" -> " + args.json) if args.json else ""))
+    passed = sum(r.status == "PASS" for r in rows)
+    skipped = sum(r.status == "SKIP" for r in rows)
+    print("gpu-facts: %d/%d rows PASS%s in %.1f s%s" % (passed, len(rows), ", %d SKIP" % skipped if skipped else "",
+                                                        doc["seconds"], (" -> " + args.json) if args.json else ""))
     return 0 if doc["ok"] else 1
 
 

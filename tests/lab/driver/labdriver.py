@@ -2,8 +2,11 @@
 """Fake NVIDIA driver daemon of the gpuops.fleet lab (stdlib only).
 
 A context is a shared flock on a fake /dev/nvidiaM plus an allocation record.
-Truth is computed at each request from the host's /proc/locks, so memory is
-free exactly when the kernel drops the last reference (fd, inherited fd, mmap).
+Truth comes from the host's /proc/locks (read at each request and every 20 ms):
+an allocation's memory and NVML entry stay FREE_DELAY_S after the kernel drops
+the last reference (fd, inherited fd, mmap), then vanish (GPU_FACTS rows 2, 3).
+Linked TP ranks leave residue on a dead rank's GPU while a peer lives (row 19);
+an IPC importer takes over a dead exporter's memory (row 17).
 See docs/design.md, "The fake driver".
 """
 
@@ -18,6 +21,7 @@ import socketserver
 import struct
 import sys
 import threading
+import time
 import uuid
 
 TOTAL_MIB = 143771
@@ -27,6 +31,9 @@ PCI_SLOTS = ["18", "2A", "3A", "5D", "9A", "AB", "BA", "DB"]
 NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2)
 FAULTS = ("none", "lost", "hang")
 MAX_REQUEST = 65536
+FREE_DELAY_S = 0.15  # SIGKILL to memory back, measured 0.12-0.2 s (lab.json free_delay_s)
+RESIDUE_MIB = 291  # what linked peers keep on a dead rank's GPU (GPU_FACTS row 19)
+WATCH_INTERVAL_S = 0.02
 
 
 # ---- pure helpers (unit tested with recorded text) ----
@@ -70,6 +77,18 @@ def in_cgroup(path, base):
         return False
     base = base.rstrip("/")
     return path == base or path.startswith(base + "/")
+
+
+def allocation_view(record):
+    """An allocation as `labctl gpus` shows it; residue has host_pid None and residue_of the dead rank."""
+    view = {"host_pid": record["host_pid"], "mib": record["mib"]}
+    if record.get("residue_of") is not None:
+        view["residue_of"] = record["residue_of"]
+    if "gone_at" in record:
+        view["freeing"] = True
+    if record.get("imported_from"):
+        view["imported_from"] = record["imported_from"]
+    return view
 
 
 def gpu_uuid(rid, node, minor):
@@ -140,6 +159,20 @@ def pidns_chain(pid):
     if len(nspids) > 1:
         chain.append((pidns_inode(os.getpid()), nspids[0]))
     return chain
+
+
+def proc_identity(pid):
+    """[pid, start time] of a live (not zombie) process, or None."""
+    text = read_text("/proc/%d/stat" % pid)
+    try:
+        fields = text.rsplit(")", 1)[1].split()
+        return None if fields[0] in ("Z", "X") else [pid, int(fields[19])]
+    except (IndexError, ValueError):
+        return None
+
+
+def still_alive(identity):
+    return proc_identity(identity[0]) == list(identity)
 
 
 def peer_pid(sock):
@@ -242,14 +275,77 @@ class Driver:
         return node, None, list(range(self.nodes()[node]["gpus"]))
 
     # -- truth --
+    def free_delay(self):
+        try:
+            return float(self.refresh_lab().get("free_delay_s", FREE_DELAY_S))
+        except (RequestError, TypeError, ValueError):
+            return FREE_DELAY_S
+
     def live_state(self):
-        """Drops dead records; returns the FLOCK set read now. Caller holds self.lock."""
+        """Ages records whose last reference went (free delay, IPC hand-over, residue); returns the FLOCK
+        set read now. Caller holds self.lock."""
         held = parse_proc_locks(read_text("/proc/locks"))
-        alive = [r for r in self.records if (r["host_pid"],) + tuple(r["dev"]) + (r["inode"],) in held]
-        if len(alive) != len(self.records):
-            self.records = alive
+        now, delay = time.time(), self.free_delay()
+        kept, changed = [], False
+        for r in self.records:
+            if r.get("residue_of") is not None:
+                live = any(still_alive(p) for p in r["peers"])
+            else:
+                live = (r["host_pid"],) + tuple(r["dev"]) + (r["inode"],) in held
+            if live:
+                kept.append(r)
+                continue
+            if "gone_at" not in r:
+                changed = True
+                r["gone_at"] = now
+                if self._hand_over(r, held):
+                    continue
+            if now - r["gone_at"] < delay:
+                kept.append(r)
+                continue
+            changed = True
+            residue = self._residue(r)
+            if residue:
+                kept.append(residue)
+                logging.info("residue node=%s minor=%d of=%d mib=%d peers=%s", r["node"], r["minor"],
+                             r["host_pid"], residue["mib"], [p[0] for p in residue["peers"]])
+        if changed:
+            self.records = kept
             self._save()
         return held
+
+    def _hand_over(self, record, held):
+        """An IPC importer still alive takes the dead exporter's memory (GPU_FACTS row 17)."""
+        for importer in record.get("importers", []):
+            for r in self.records:
+                if (r["host_pid"] == importer[0] and r["node"] == record["node"] and r["minor"] == record["minor"]
+                        and "gone_at" not in r and (r["host_pid"],) + tuple(r["dev"]) + (r["inode"],) in held):
+                    r["mib"] += record["mib"]
+                    r.setdefault("imported_from", []).append(record["host_pid"])
+                    logging.info("ipc hand-over node=%s minor=%d from=%d to=%d mib=%d", record["node"],
+                                 record["minor"], record["host_pid"], r["host_pid"], record["mib"])
+                    return True
+        return False
+
+    def _residue(self, record):
+        """The part of a dead rank's memory its linked peers still alive keep (GPU_FACTS row 19), or None."""
+        peers = [p for p in record.get("peers", []) if still_alive(p)]
+        if not peers or record.get("residue_of") is not None:
+            return None
+        return {"node": record["node"], "minor": record["minor"], "dev": record["dev"], "inode": record["inode"],
+                "host_pid": None, "chain": [], "mib": min(RESIDUE_MIB, record["mib"]), "vmid": record.get("vmid"),
+                "residue_of": record["host_pid"], "peers": peers}
+
+    def watch(self, stop):
+        """Notices released references every WATCH_INTERVAL_S, so the free delay runs from the release."""
+        while not stop.wait(WATCH_INTERVAL_S):
+            with self.lock:
+                if not self.records:
+                    continue
+                try:
+                    self.live_state()
+                except Exception:  # keep watching; the log has the trace
+                    logging.exception("watch failed")
 
     def gpu_truth(self, node, minor, held):
         """used (v2) MiB, records and lock holders of one GPU."""
@@ -258,6 +354,15 @@ class Driver:
         holders = sorted({pid for (pid, ma, mi, ino) in held if devid and (ma, mi, ino) == devid})
         used = sum(r["mib"] for r in records) + self.leaked.get((node, minor), 0)
         return used, records, holders
+
+    def owner_record(self, pid, node, minor, owner_pid):
+        """The live allocation on minor of the process the caller (host pid) calls owner_pid."""
+        caller_ns = pidns_inode(pid)
+        for r in self.records:
+            if (r["node"] == node and r["minor"] == minor and r.get("residue_of") is None and "gone_at" not in r
+                    and [caller_ns, owner_pid] in [list(c) for c in r["chain"]]):
+                return r
+        raise RequestError("no allocation of pid %d on minor %d" % (owner_pid, minor))
 
     # -- requests --
     def handle(self, request, pid):
@@ -275,6 +380,13 @@ class Driver:
                 return self.reset(pid, request)
             if op == "fault":
                 return self.fault(request)
+            if op == "view":
+                node, vmid, minors = self.caller(pid, request.get("node"))
+                return {"ok": True, "node": node, "vmid": vmid, "minors": minors}
+            if op == "link":
+                return self.link(pid, request)
+            if op == "ipc_import":
+                return self.ipc_import(pid, request)
             if op == "ping":
                 return {"ok": True, "pid": os.getpid()}
         raise RequestError("unknown op %r" % op)
@@ -295,6 +407,8 @@ class Driver:
                 TOTAL_MIB, RESERVED_MIB, used, fault))
             by_pid = {}
             for r in records:
+                if r.get("residue_of") is not None:
+                    continue  # counted in used, charged to no pid
                 shown = translate_pid(r, caller_ns, mode)
                 if shown is not None:
                     by_pid[shown] = by_pid.get(shown, 0) + r["mib"]
@@ -320,8 +434,8 @@ class Driver:
                     "leaked_mib": self.leaked.get((node, minor), 0),
                     "fault": self.faults.get((node, minor), "none"),
                     "visible_in": visible,
-                    "nvml_pids": sorted({r["host_pid"] for r in records}),
-                    "allocations": [{"host_pid": r["host_pid"], "mib": r["mib"]} for r in records],
+                    "nvml_pids": sorted({r["host_pid"] for r in records if r["host_pid"] is not None}),
+                    "allocations": [allocation_view(r) for r in records],
                     "holders": holders,
                 })
         return {"ok": True, "nvml_pids_mode": self.mode(), "gpus": gpus,
@@ -345,7 +459,7 @@ class Driver:
             raise RequestError("pid %d holds no flock on %s nvidia%d" % (pid, node, minor))
         chain = pidns_chain(pid)
         for r in self.records:
-            if r["host_pid"] == pid and r["node"] == node and r["minor"] == minor:
+            if r["host_pid"] == pid and r["node"] == node and r["minor"] == minor and "gone_at" not in r:
                 r["mib"] += mib
                 break
         else:
@@ -354,6 +468,36 @@ class Driver:
         self._save()
         logging.info("alloc node=%s minor=%d pid=%d mib=%d chain=%s", node, minor, pid, mib, chain)
         return {"ok": True, "node": node, "minor": minor, "host_pid": pid, "mib": mib}
+
+    def link(self, pid, request):
+        """The caller keeps buffers on each peer's GPU: {"peers": [[minor, pid as the caller sees it], ...]}."""
+        node, _vmid, _minors = self.caller(pid, request.get("node"))
+        me = proc_identity(pid)
+        if me is None:
+            raise RequestError("pid %d is gone" % pid)
+        peers = request.get("peers")
+        if not isinstance(peers, list):
+            raise RequestError("peers: a list of [minor, pid] is required")
+        owners = [self.owner_record(pid, node, int(minor), int(owner)) for minor, owner in peers]
+        for r in owners:
+            if me not in r.setdefault("peers", []):
+                r["peers"].append(me)
+        self._save()
+        logging.info("link node=%s pid=%d peers=%s", node, pid, [r["host_pid"] for r in owners])
+        return {"ok": True, "linked": [r["host_pid"] for r in owners]}
+
+    def ipc_import(self, pid, request):
+        """The caller maps owner_pid's memory on minor; it takes that memory over when the owner dies."""
+        node, _vmid, _minors = self.caller(pid, request.get("node"))
+        me = proc_identity(pid)
+        if me is None:
+            raise RequestError("pid %d is gone" % pid)
+        r = self.owner_record(pid, node, self._minor_arg(request), int(request.get("owner_pid", -1)))
+        if me not in r.setdefault("importers", []):
+            r["importers"].append(me)
+        self._save()
+        logging.info("ipc_import node=%s minor=%d pid=%d owner=%d", node, r["minor"], pid, r["host_pid"])
+        return {"ok": True, "owner": r["host_pid"]}
 
     def leak(self, request):
         node = self.node_of(request.get("node"))
@@ -452,7 +596,10 @@ def serve(state_dir, ready_fd=None):
     pid_path = os.path.join(driver_dir, "driver.pid")
     if os.path.exists(sock_path):
         os.unlink(sock_path)
-    server = Server(sock_path, Driver(state_dir))
+    driver = Driver(state_dir)
+    server = Server(sock_path, driver)
+    stop_watch = threading.Event()
+    threading.Thread(target=driver.watch, args=(stop_watch,), name="watch", daemon=True).start()
     os.chmod(sock_path, 0o666)
     with open(pid_path, "w") as f:
         f.write("%d\n" % os.getpid())
@@ -469,6 +616,7 @@ def serve(state_dir, ready_fd=None):
     try:
         server.serve_forever(poll_interval=0.2)
     finally:
+        stop_watch.set()
         server.server_close()
         for path in (sock_path, pid_path):
             try:

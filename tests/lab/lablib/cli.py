@@ -42,6 +42,8 @@ def parser():
     up.add_argument("--nvml-pids", choices=("modern", "legacy"), default="modern")
     up.add_argument("--bare", action="append", default=[], metavar="VMID",
                     help="container whose python has no packages (repeatable)")
+    up.add_argument("--free-delay", type=float, default=None, metavar="S",
+                    help="seconds a freed allocation stays used and listed (default 0.15)")
     sub.add_parser("down", help="remove every process, cgroup and file of the lab")
     sub.add_parser("status", help="JSON status; exit 3 when the lab is not up, 1 when degraded")
     inv = sub.add_parser("inventory", help="print the path of the Ansible inventory")
@@ -58,6 +60,8 @@ def parser():
     run.add_argument("--vmid", required=True)
     run.add_argument("--gpus", type=_ints, default=[], help="container NVML indexes, e.g. 0,1")
     run.add_argument("--mib", type=int, default=None, help="MiB per GPU")
+    run.add_argument("--cuda-visible-devices", type=_ints, default=None, metavar="I,J",
+                     help="CUDA_VISIBLE_DEVICES of the workload (container NVML indexes); --gpus must be among them")
     gp = sub.add_parser("gpus", help="the fake driver's truth, as a JSON list")
     gp.add_argument("--node")
     fa = sub.add_parser("fault", help="inject a fault into a GPU or into driver init")
@@ -85,7 +89,8 @@ def main(argv):
     lab = Lab()
     try:
         if args.command == "up":
-            lab.up(args.nodes, args.containers, args.gpus, dict(args.layout), args.nvml_pids, args.bare)
+            lab.up(args.nodes, args.containers, args.gpus, dict(args.layout), args.nvml_pids, args.bare,
+                   args.free_delay)
             print(json.dumps(lab.status(), sort_keys=True))
         elif args.command == "down":
             lab.down()
@@ -116,7 +121,8 @@ def main(argv):
             os.execve(argv[0], argv, env)
         elif args.command == "run":
             extra = extra[1:] if extra[:1] == ["--"] else extra
-            result = scenarios.run(lab, args.scenario, args.node, args.vmid, args.gpus, args.mib, extra)
+            result = scenarios.run(lab, args.scenario, args.node, args.vmid, args.gpus, args.mib, extra,
+                                   args.cuda_visible_devices)
             print(json.dumps(result, sort_keys=True))
         elif args.command == "gpus":
             lab.config

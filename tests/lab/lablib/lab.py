@@ -15,6 +15,7 @@ from lablib.common import (DEFAULT_PCT_DELAY, LAB_DIR, REPO, STATE_ROOT, LabErro
                            run_id, state_dir, vmid_for, wait_for, write_file, write_json)
 
 GPU_DEV_SIZE = 4096
+DEFAULT_FREE_DELAY = 0.15  # seconds from the last reference to memory back (the driver's FREE_DELAY_S)
 NODE_USER, NODE_UID = "gpuops", 4242  # non-root node user with sudo (for become on the node)
 WHEELS = os.path.join(REPO, ".cache", "wheels")
 VENV = os.path.join(REPO, ".lab", "venv")
@@ -83,8 +84,11 @@ class Lab:
             raise LabError("--layout/--bare name vmids not in the lab: %s" % ", ".join(sorted(unknown)))
         return shape
 
-    def up(self, nodes=2, containers=2, gpus=8, layouts=None, nvml_pids="modern", bare=()):
+    def up(self, nodes=2, containers=2, gpus=8, layouts=None, nvml_pids="modern", bare=(), free_delay=None):
         shape = self.shape(nodes, containers, gpus, layouts or {}, nvml_pids, [str(b) for b in bare])
+        self.free_delay = DEFAULT_FREE_DELAY if free_delay is None else float(free_delay)
+        if self.free_delay < 0:
+            raise LabError("--free-delay must be >= 0")
         from lablib.preflight import preflight
         preflight()
         existing = read_json(self.config_path)
@@ -119,10 +123,11 @@ class Lab:
         cfg = {"rid": self.rid, "repo": REPO, "state": self.state, "shape": shape, "nodes": {},
                "cgroup_root": self.cg_root, "freezer_root": self.fz_root,
                "driver": {"pid": None, "socket": os.path.join(self.state, "driver", "driver.sock")},
-               "pct_delay": float(os.environ.get("LAB_PCT_DELAY", DEFAULT_PCT_DELAY))}
+               "pct_delay": float(os.environ.get("LAB_PCT_DELAY", DEFAULT_PCT_DELAY)),
+               "free_delay_s": self.free_delay}
         for k, (node, nshape) in enumerate(sorted(shape["nodes"].items(), key=lambda kv: int(kv[0][3:])), 1):
             cfg["nodes"][node] = self._build_node(node, k, nshape, cfg)
-        self._write_driver_config(shape)
+        self._write_driver_config(shape, cfg["free_delay_s"])
         self._known_hosts(cfg)
         cfg["driver"]["pid"] = self._start_driver()
         cfg["api"] = self._start_api(cfg)
@@ -143,6 +148,9 @@ class Lab:
         for node in cfg["nodes"]:
             path = os.path.join(self.node_dir(node), "node.json")
             write_json(path, dict(read_json(path), pct_delay=cfg["pct_delay"]))
+        cfg["free_delay_s"] = getattr(self, "free_delay", DEFAULT_FREE_DELAY)
+        lab_json = os.path.join(self.state, "lab.json")  # the driver reads it at each request
+        write_json(lab_json, dict(read_json(lab_json) or {}, free_delay_s=cfg["free_delay_s"]))
         if not pid_alive(cfg["driver"]["pid"]):
             cfg["driver"]["pid"] = self._start_driver()
         if not pid_alive((cfg.get("api") or {}).get("pid")):
@@ -257,7 +265,7 @@ class Lab:
             write_file(os.path.join(etc, "sudoers.d", "gpuops-lab"),
                        "%s ALL=(ALL:ALL) NOPASSWD: ALL\n" % NODE_USER, 0o440)
 
-    def _write_driver_config(self, shape):
+    def _write_driver_config(self, shape, free_delay):
         nodes = {}
         for node, nshape in shape["nodes"].items():
             nodes[node] = {"gpus": nshape["gpus"], "dev_dir": os.path.join(self.node_dir(node), "dev"),
@@ -265,7 +273,7 @@ class Lab:
                                                  "cgroup": "/gpuops-lab-%s/%s/lxc/%s/ns" % (self.rid, node, vmid)}
                                           for vmid, c in nshape["containers"].items()}}
         write_json(os.path.join(self.state, "lab.json"),
-                   {"rid": self.rid, "nvml_pids": shape["nvml_pids"], "nodes": nodes})
+                   {"rid": self.rid, "nvml_pids": shape["nvml_pids"], "free_delay_s": free_delay, "nodes": nodes})
 
     def _known_hosts(self, cfg):
         lines = []
@@ -504,7 +512,8 @@ class Lab:
         os.unlink(container.config_path(src_dir, vmid))
         cfg["nodes"][target]["containers"][vmid] = cfg["nodes"][source]["containers"].pop(vmid)
         write_json(self.config_path, cfg)
-        self._write_driver_config({"nvml_pids": cfg["shape"]["nvml_pids"], "nodes": cfg["nodes"]})
+        self._write_driver_config({"nvml_pids": cfg["shape"]["nvml_pids"], "nodes": cfg["nodes"]},
+                                  cfg.get("free_delay_s", DEFAULT_FREE_DELAY))
         self.write_inventory(cfg)
         if was_running:
             ct = container.start(dst_dir, vmid)

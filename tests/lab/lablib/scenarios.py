@@ -1,6 +1,7 @@
 """`labctl run`: start a workload in a container and report its host pids.
 
-Most scenarios go straight to tests/lab/workloads/workload.py. Three are built here:
+Most scenarios go straight to tests/lab/workloads/workload.py (`--cuda-visible-devices` becomes its
+CUDA_VISIBLE_DEVICES). Three are built here:
 `respawn` (a supervisord program with autorestart), `stuck` (a plain holder frozen by
 a cgroup v1 freezer: D state, SIGKILL waits), `leaked` (memory held by no process).
 """
@@ -43,11 +44,14 @@ def gpus(lab, node=None):
     return driver_request(lab, {"op": "snapshot", "node": node} if node else {"op": "snapshot"})["gpus"]
 
 
-def attach(lab, node, vmid, cmd, timeout=RUN_TIMEOUT, input_text=None):
+def attach(lab, node, vmid, cmd, timeout=RUN_TIMEOUT, input_text=None, cuda_visible=None):
     argv = container.attach_argv(lab.node_dir(node), vmid, cmd)
     # Like pct exec: the caller's environment minus SSL_CERT_*, with Proxmox's PATH.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SSL_CERT_")}
+    # CUDA_VISIBLE_DEVICES only when asked for (--cuda-visible-devices), never labctl's own.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SSL_CERT_") and k != "CUDA_VISIBLE_DEVICES"}
     env["PATH"] = container.PVE_PATH
+    if cuda_visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in cuda_visible)
     proc = subprocess.run(argv, input=input_text, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
                           timeout=timeout, universal_newlines=True, check=False,
                           stdin=None if input_text is not None else subprocess.DEVNULL)
@@ -102,22 +106,30 @@ def _lab_python(ct):
     return ct.get("supervisor_venv", "") + "/bin/python"
 
 
-def run(lab, scenario, node, vmid, gpu_indexes, mib=None, extra=()):
+def run(lab, scenario, node, vmid, gpu_indexes, mib=None, extra=(), cuda_visible=None):
     ct = lab.container(node, vmid)
     if not container.is_running(ct):
         raise LabError("container %s on %s is not running" % (vmid, node))
     minors = minors_for(ct, gpu_indexes)
+    if cuda_visible is not None:
+        minors_for(ct, cuda_visible)
+        hidden = [i for i in gpu_indexes if i not in cuda_visible]
+        if hidden:
+            raise LabError("--gpus %s not among --cuda-visible-devices %s"
+                           % (",".join(map(str, hidden)), ",".join(map(str, cuda_visible))))
     if scenario == "leaked":
         return run_leaked(lab, node, minors, mib)
     if scenario == "respawn":
-        return run_respawn(lab, ct, node, vmid, minors, mib, extra)
+        return run_respawn(lab, ct, node, vmid, minors, mib, extra, cuda_visible)
     base = "plain" if scenario == "stuck" else scenario
-    proc = attach(lab, node, vmid, workload_argv(ct, base, minors, mib, extra))
+    proc = attach(lab, node, vmid, workload_argv(ct, base, minors, mib, extra), cuda_visible=cuda_visible)
     line = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
     if proc.returncode or not line.startswith("{"):
         raise LabError("workload %s failed (exit %d): %s" % (scenario, proc.returncode,
                                                              (proc.stderr or proc.stdout).strip()))
     result = translate(ct, json.loads(line))
+    if cuda_visible is not None:
+        result["cuda_visible_devices"] = ",".join(map(str, cuda_visible))
     if scenario == "stuck":
         return freeze(lab, ct, result)
     return result
@@ -130,12 +142,14 @@ def run_leaked(lab, node, minors, mib):
             "minors": minors, "mib": mib or 1024}
 
 
-def run_respawn(lab, ct, node, vmid, minors, mib, extra):
+def run_respawn(lab, ct, node, vmid, minors, mib, extra, cuda_visible=None):
     name = "gpuops-respawn-%d" % int(time.time() * 1000 % 10 ** 9)
     command = " ".join(_quote(a) for a in workload_argv(ct, "plain", minors, mib, extra, foreground=True))
     conf = ("[program:%s]\ncommand=%s\nautostart=true\nautorestart=true\nstartsecs=1\nstartretries=100\n"
             "stopsignal=TERM\nstopwaitsecs=5\nstdout_logfile=/run/supervisor/log/%s.out\n"
             "stderr_logfile=/run/supervisor/log/%s.err\n" % (name, command, name, name))
+    if cuda_visible is not None:
+        conf += 'environment=CUDA_VISIBLE_DEVICES="%s"\n' % ",".join(map(str, cuda_visible))
     path = "/run/supervisor/conf.d/%s.conf" % name
     proc = attach(lab, node, vmid, ["/bin/sh", "-c", 'cat > "$1"', "sh", path], input_text=conf)
     if proc.returncode:

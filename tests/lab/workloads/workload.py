@@ -1,9 +1,13 @@
 #!/usr/bin/env python
 """Lab workloads that hold fake GPU memory the way CUDA processes do (stdlib only).
 
-A context: open nvidiactl, nvidiaM, nvidia-uvm O_RDWR, flock(LOCK_SH) on
-nvidiaM, mmap all three MAP_SHARED, then `alloc` to the lab driver daemon.
-Each scenario reproduces one row of GPU_FACTS.md; see docs/design.md, "Workloads".
+A CUDA process opens and maps the node of every GPU visible to it (GPU_FACTS rows 9-12):
+- a context GPU: nvidiactl, 3 x nvidiaM, nvidia-uvm O_RDWR, flock(LOCK_SH) on nvidiaM,
+  each fd mmapped MAP_SHARED (nvidiaM on 3 map lines), then `alloc` to the lab driver;
+- a GPU only visible: 2 x nvidiaM, each mmapped (2 map lines), no flock, no alloc;
+- a GPU hidden by CUDA_VISIBLE_DEVICES: one fd, no mapping.
+The visible GPUs are the /dev/nvidiaM files present, in the driver's NVML index order.
+Each scenario reproduces rows of GPU_FACTS.md; see docs/design.md, "Workloads".
 
 Without --foreground the first process forks the workload (new session),
 prints one JSON line once every context is allocated, and exits.
@@ -15,6 +19,7 @@ import fcntl
 import json
 import os
 import platform
+import re
 import select
 import signal
 import socket
@@ -23,7 +28,11 @@ import threading
 import time
 
 SCENARIOS = ("plain", "term_ignoring", "fork_inherit", "defunct_leader", "zombie", "mmap_only",
-             "tp_server", "monitor", "bystander_gpu", "bystander_cpu")
+             "tp_server", "monitor", "bystander_gpu", "bystander_cpu", "stray_context", "tp_nccl",
+             "two_parents", "ipc_consumer")
+CONTEXT_MAPS = 3  # map lines of /dev/nvidiaM on a context GPU (GPU_FACTS row 12)
+VISIBLE_MAPS = 2  # on a GPU that is only visible (row 9)
+BARE_CONTEXT_MIB = 518  # a stray or bare context (rows 13, 15, 17)
 DEFAULT_SOCKET = "/run/nvidia-lab/driver.sock"
 SYS_EXIT = {"x86_64": 60, "aarch64": 93}
 PR_SET_NAME = 15
@@ -55,9 +64,11 @@ class Reporter:
         while data:
             data = data[os.write(self.fd, data):]
 
-    def report(self, scenario, roles, holders, dead=None):
-        """dead: pids that are gone on purpose (fork_inherit --kill-parent) and cannot be translated."""
-        line = {"scenario": scenario, "pids": list(dict.fromkeys(roles.values())), "roles": roles,
+    def report(self, scenario, roles, holders, dead=None, top=None):
+        """dead: pids that are gone on purpose (fork_inherit --kill-parent) and cannot be translated.
+        top: the workload's top process when it has no role (a launcher)."""
+        pids = ([top] if top else []) + list(roles.values())
+        line = {"scenario": scenario, "pids": list(dict.fromkeys(pids)), "roles": roles,
                 "holders": holders}
         if dead:
             line["dead"] = dead
@@ -98,40 +109,112 @@ def map_shared(fd):
     return addr
 
 
+def dev_path(args, name):
+    path = os.path.join(args.dev_dir, name)
+    if not os.path.isfile(path):  # never a real NVIDIA character device
+        raise WorkloadError("%s is not a lab device file" % path)
+    return path
+
+
+def open_all(paths, flags=os.O_RDWR):
+    fds = []
+    try:
+        for path in paths:
+            fds.append(os.open(path, flags))
+    except OSError as exc:
+        for fd in fds:
+            os.close(fd)
+        raise WorkloadError("open %s: %s" % (exc.filename, exc.strerror)) from exc
+    return fds
+
+
+def visible_minors(args):
+    """Minors of the /dev/nvidiaM files present, in the NVML index order the driver shows this process."""
+    if getattr(args, "visible", None) is None:
+        try:
+            present = {int(m.group(1)) for m in map(re.compile(r"nvidia(\d+)$").match, os.listdir(args.dev_dir)) if m}
+        except OSError as exc:
+            raise WorkloadError("list %s: %s" % (args.dev_dir, exc.strerror)) from exc
+        try:
+            order = driver_request(args, {"op": "view"})["minors"]
+        except WorkloadError:
+            order = sorted(present)  # an older driver: no view op
+        args.visible = [m for m in order if m in present]
+    return args.visible
+
+
+def cuda_visible(visible):
+    """The minors CUDA shows: CUDA_VISIBLE_DEVICES picks NVML indexes and stops at the first invalid one."""
+    text = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if text is None:
+        return list(visible)
+    shown = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) >= len(visible):
+            break
+        if visible[int(item)] not in shown:
+            shown.append(visible[int(item)])
+    return shown
+
+
 class Context:
     """One fake CUDA context on one minor. The mappings are never unmapped."""
 
     CAPS = ("nvidia-caps/nvidia-cap1", "nvidia-caps/nvidia-cap2")
 
-    def __init__(self, args, minor):
+    def __init__(self, args, minor, mib):
         self.minor = minor
-        paths = [os.path.join(args.dev_dir, name) for name in ("nvidiactl", "nvidia%d" % minor, "nvidia-uvm")]
-        for path in paths:
-            if not os.path.isfile(path):  # never a real NVIDIA character device
-                raise WorkloadError("%s is not a lab device file" % path)
-        try:
-            self.fds = [os.open(path, os.O_RDWR) for path in paths]
-        except OSError as exc:
-            raise WorkloadError("open %s: %s" % (exc.filename, exc.strerror)) from exc
+        paths = ([dev_path(args, "nvidiactl")] + [dev_path(args, "nvidia%d" % minor)] * CONTEXT_MAPS
+                 + [dev_path(args, "nvidia-uvm")])
+        self.fds = open_all(paths)
         fcntl.flock(self.fds[1], fcntl.LOCK_SH)
         self.maps = [map_shared(fd) for fd in self.fds]
         # CUDA's nvidia-uvm mappings are not inherited by a fork (measured on the H200).
-        libc.madvise(ctypes.c_void_p(self.maps[2]), PAGE, MADV_DONTFORK)
+        libc.madvise(ctypes.c_void_p(self.maps[-1]), PAGE, MADV_DONTFORK)
         # CUDA also keeps the capability nodes open, as fds only (measured on the H200).
-        for name in self.CAPS:
-            path = os.path.join(args.dev_dir, name)
-            if os.path.isfile(path):
-                self.fds.append(os.open(path, os.O_RDONLY))
-        driver_request(args, {"op": "alloc", "minor": minor, "mib": args.mib})
+        caps = [os.path.join(args.dev_dir, name) for name in self.CAPS]
+        self.fds += open_all([path for path in caps if os.path.isfile(path)], os.O_RDONLY)
+        driver_request(args, {"op": "alloc", "minor": minor, "mib": mib})
+
+
+class VisibleGpu:
+    """A GPU CUDA can see but where this process has no context: 2 mappings (1 fd, no mapping when hidden)."""
+
+    def __init__(self, args, minor, shown):
+        path = dev_path(args, "nvidia%d" % minor)
+        self.minor = minor
+        self.fds = open_all([path] * (VISIBLE_MAPS if shown else 1))
+        self.maps = [map_shared(fd) for fd in self.fds] if shown else []
+
+
+class Runtime:
+    """Everything one CUDA process holds: contexts {minor: MiB}, plus every other visible GPU."""
+
+    def __init__(self, args, contexts):
+        visible = visible_minors(args)
+        shown = cuda_visible(visible)
+        for minor in contexts:
+            if minor not in visible:
+                raise WorkloadError("minor %d is not visible to this process (visible: %s)"
+                                    % (minor, ",".join(map(str, visible)) or "none"))
+            if minor not in shown:
+                raise WorkloadError("minor %d is hidden by CUDA_VISIBLE_DEVICES=%s"
+                                    % (minor, os.environ.get("CUDA_VISIBLE_DEVICES")))
+        self.others = [VisibleGpu(args, m, m in shown) for m in visible if m not in contexts]
+        self.contexts = [Context(args, minor, mib) for minor, mib in contexts.items()]
 
     def close_fds(self):
-        for fd in self.fds:
-            os.close(fd)
-        self.fds = []
+        for part in self.others + self.contexts:
+            for fd in part.fds:
+                os.close(fd)
+            part.fds = []
 
 
-def make_contexts(args):
-    return [Context(args, minor) for minor in args.minors]
+def make_contexts(args, minors=None, mib=None):
+    """A Runtime with a context of mib (default --mib) on each of minors (default --minors)."""
+    minors = args.minors if minors is None else minors
+    return Runtime(args, {minor: args.mib if mib is None else mib for minor in minors})
 
 
 # ---- process helpers ----
@@ -176,21 +259,30 @@ def reap_children(_signum, _frame):
         pass
 
 
-def wait_ready(read_fd, count):
-    """Reads count ready lines from workers; raises on a worker's error."""
-    buf = b""
+def read_lines(read_fd, count):
+    """Reads count lines from workers (never more); raises on a worker's error."""
+    lines = []
     deadline = time.monotonic() + READY_TIMEOUT_S
-    while buf.count(b"\n") < count:
+    buf = b""
+    while len(lines) < count:
         left = deadline - time.monotonic()
         if left <= 0 or not select.select([read_fd], [], [], left)[0]:
             raise WorkloadError("workers not ready after %d s" % READY_TIMEOUT_S)
-        chunk = os.read(read_fd, 4096)
-        if not chunk:
+        byte = os.read(read_fd, 1)
+        if not byte:
             raise WorkloadError("a worker died before it was ready")
-        buf += chunk
-    for line in buf.decode().splitlines():
+        if byte != b"\n":
+            buf += byte
+            continue
+        line, buf = buf.decode(), b""
         if line.startswith("ERROR"):
             raise WorkloadError(line[6:])
+        lines.append(line)
+    return lines
+
+
+def wait_ready(read_fd, count):
+    read_lines(read_fd, count)
 
 
 def child_body(report_fd, body):
@@ -218,9 +310,8 @@ def run_holder(args, reporter, role="holder"):
 
 
 def run_mmap_only(args, reporter):
-    contexts = make_contexts(args)
-    for ctx in contexts:
-        ctx.close_fds()  # the mappings keep the contexts (GPU_FACTS row 6)
+    runtime = make_contexts(args)
+    runtime.close_fds()  # the mappings keep the contexts (GPU_FACTS row 6)
     start_sleepers(args.threads)
     reporter.report(args.scenario, {"holder": os.getpid()}, [os.getpid()])
     sleep_forever()
@@ -300,8 +391,7 @@ def run_tp_server(args, reporter):
         def worker(rank=rank, minor=minor):
             os.close(read_fd)
             set_name("tp_worker%d" % rank)
-            one = argparse.Namespace(**dict(vars(args), minors=[minor]))
-            keep = make_contexts(one)
+            keep = make_contexts(args, [minor])
             os.write(write_fd, b"ready\n")
             sleep_forever()
             return keep
@@ -340,6 +430,196 @@ def run_bystander_cpu(args, reporter):
     sleep_forever()
 
 
+def run_stray_context(args, reporter):
+    """--mib on --minors, plus a bare context on the container's first GPU (GPU_FACTS row 13)."""
+    contexts = {minor: args.mib for minor in args.minors}
+    shown = cuda_visible(visible_minors(args))  # PyTorch's cuda:0
+    if not shown:
+        raise WorkloadError("no GPU visible")
+    first = shown[0]
+    contexts[first] = contexts.get(first, 0) + BARE_CONTEXT_MIB
+    keep = Runtime(args, contexts)
+    reporter.report(args.scenario, {"holder": os.getpid()}, [os.getpid()])
+    sleep_forever()
+    return keep
+
+
+def run_tp_nccl(args, reporter):
+    """A launcher (no CUDA, no links) and one rank per GPU, every pair of ranks linked by loopback TCP
+    (GPU_FACTS rows 11, 19, 21). The driver learns the links: a dead rank leaves residue while peers live."""
+    signal.signal(signal.SIGCHLD, reap_children)
+    ranks = len(args.minors)
+    up_r, up_w = os.pipe()
+    plans = [os.pipe() for dummy in range(ranks)]
+    roles = {"parent": os.getpid()}
+    for rank, minor in enumerate(args.minors):
+        child = os.fork()
+        if child == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            os.close(up_r)
+            for other, (plan_r, plan_w) in enumerate(plans):
+                os.close(plan_w)
+                if other != rank:
+                    os.close(plan_r)
+            child_body(up_w, lambda rank=rank, minor=minor: tp_rank(args, rank, minor, plans[rank][0], up_w))
+        roles["rank%d" % rank] = child
+    os.close(up_w)
+    for plan_r, _plan_w in plans:
+        os.close(plan_r)
+    ports = {}
+    for line in read_lines(up_r, ranks):
+        _word, rank, port = line.split()
+        ports[int(rank)] = int(port)
+    plan = json.dumps({"ports": [ports[r] for r in range(ranks)],
+                       "pids": [roles["rank%d" % r] for r in range(ranks)]}).encode()
+    for _plan_r, plan_w in plans:
+        os.write(plan_w, plan)
+        os.close(plan_w)
+    read_lines(up_r, ranks)
+    os.close(up_r)
+    reporter.report(args.scenario, roles, [roles["rank%d" % r] for r in range(ranks)])
+    sleep_forever()
+
+
+def tp_rank(args, rank, minor, plan_fd, up_fd):
+    set_name("tp_rank%d" % rank)
+    keep = make_contexts(args, [minor])
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(len(args.minors))
+    os.write(up_fd, b"port %d %d\n" % (rank, listener.getsockname()[1]))
+    data = b""
+    while True:
+        chunk = os.read(plan_fd, 65536)
+        if not chunk:
+            break
+        data += chunk
+    os.close(plan_fd)
+    plan = json.loads(data)
+    links = []
+    for peer in range(rank + 1, len(args.minors)):
+        links.append(socket.create_connection(("127.0.0.1", plan["ports"][peer]), timeout=30))
+    listener.settimeout(30)
+    for _peer in range(rank):
+        links.append(listener.accept()[0])
+    listener.close()
+    peers = [[args.minors[p], plan["pids"][p]] for p in range(len(args.minors)) if p != rank]
+    driver_request(args, {"op": "link", "peers": peers})
+    os.write(up_fd, b"ready\n")
+    sleep_forever()
+    return keep, links
+
+
+def run_two_parents(args, reporter):
+    """Two parents, each with a context on its own GPU and a forked child that never touches CUDA;
+    both parents SIGKILLed and reaped. Each parent leads its own session, so its child's sid/pgid is it."""
+    if len(args.minors) != 2:
+        raise WorkloadError("two_parents needs exactly two GPUs")
+    up_r, up_w = os.pipe()
+    parents = []
+    for index, minor in enumerate(args.minors):
+        def parent(index=index, minor=minor):
+            os.setsid()
+            set_name("parent%d" % index)
+            keep = make_contexts(args, [minor])
+            child = os.fork()
+            if child == 0:
+                set_name("child%d" % index)
+                os.close(up_w)
+                sleep_forever()
+            os.write(up_w, b"%d %d %d\n" % (index, os.getpid(), child))
+            sleep_forever()
+            return keep
+
+        pid = os.fork()
+        if pid == 0:
+            os.close(up_r)
+            child_body(up_w, parent)
+        parents.append(pid)
+    os.close(up_w)
+    roles = {}
+    for line in sorted(read_lines(up_r, 2)):
+        index, parent_pid, child = line.split()
+        roles["parent" + index], roles["child" + index] = int(parent_pid), int(child)
+    os.close(up_r)
+    for pid in parents:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    reporter.report(args.scenario, roles, [roles["child0"], roles["child1"]],
+                    dead=[roles["parent0"], roles["parent1"]], top=os.getpid())
+    sleep_forever()
+
+
+def run_ipc_consumer(args, reporter):
+    """A producer with --mib, a consumer with a bare context that imports the producer's memory; the producer
+    is SIGKILLed and reaped, and the driver charges the consumer with it (GPU_FACTS row 17)."""
+    if len(args.minors) != 1:
+        raise WorkloadError("ipc_consumer needs exactly one GPU")
+    minor = args.minors[0]
+    up_r, up_w = os.pipe()
+
+    def producer():
+        set_name("ipc_producer")
+        keep = make_contexts(args, [minor])
+        os.write(up_w, b"ready\n")
+        sleep_forever()
+        return keep
+
+    def consumer():
+        set_name("ipc_consumer")
+        keep = make_contexts(args, [minor], BARE_CONTEXT_MIB)
+        driver_request(args, {"op": "ipc_import", "minor": minor, "owner_pid": producer_pid})
+        os.write(up_w, b"ready\n")
+        sleep_forever()
+        return keep
+
+    producer_pid = os.fork()
+    if producer_pid == 0:
+        os.close(up_r)
+        child_body(up_w, producer)
+    read_lines(up_r, 1)
+    consumer_pid = os.fork()
+    if consumer_pid == 0:
+        os.close(up_r)
+        child_body(up_w, consumer)
+    read_lines(up_r, 1)
+    os.close(up_w)
+    os.close(up_r)
+    os.kill(producer_pid, signal.SIGKILL)
+    os.waitpid(producer_pid, 0)
+    want = args.mib + BARE_CONTEXT_MIB
+    deadline = time.monotonic() + 10
+    while want not in driver_procs(args, minor).values():  # legacy pids: host pids
+        if time.monotonic() > deadline:
+            raise WorkloadError("the driver did not charge the consumer with %d MiB" % want)
+        time.sleep(0.01)
+    reporter.report(args.scenario, {"producer": producer_pid, "consumer": consumer_pid}, [consumer_pid],
+                    dead=[producer_pid], top=os.getpid())
+    sleep_forever()
+
+
+def driver_procs(args, minor):
+    """{pid: MiB} NVML lists on minor for this process's view (the driver's text snapshot)."""
+    path = args.socket or os.environ.get("NVIDIA_LAB_SOCKET") or DEFAULT_SOCKET
+    request = {"op": "snapshot", "format": "text"}
+    node = args.node or os.environ.get("NVIDIA_LAB_NODE")
+    if node:
+        request["node"] = node
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        text = sock.makefile().read()
+    index, procs = None, {}
+    for line in text.splitlines():
+        fields = line.split()
+        if fields[:1] == ["DEV"] and int(fields[2]) == minor:
+            index = int(fields[1])
+        elif fields[:1] == ["PROC"] and index is not None and int(fields[1]) == index:
+            procs[int(fields[2])] = int(fields[3])
+    return procs
+
+
 def run_scenario(args, reporter):
     name = args.scenario
     if name in ("plain", "term_ignoring"):
@@ -349,7 +629,8 @@ def run_scenario(args, reporter):
     else:
         {"fork_inherit": run_fork_inherit, "defunct_leader": run_defunct_leader, "zombie": run_zombie,
          "mmap_only": run_mmap_only, "tp_server": run_tp_server, "monitor": run_monitor,
-         "bystander_cpu": run_bystander_cpu}[name](args, reporter)
+         "bystander_cpu": run_bystander_cpu, "stray_context": run_stray_context, "tp_nccl": run_tp_nccl,
+         "two_parents": run_two_parents, "ipc_consumer": run_ipc_consumer}[name](args, reporter)
 
 
 # ---- launching ----

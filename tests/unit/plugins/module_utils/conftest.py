@@ -12,6 +12,22 @@ from fake_nvml import FakeNvml  # noqa: E402
 CTL, UVM = "/dev/nvidiactl", "/dev/nvidia-uvm"
 
 
+def ctx(minor):
+    """Map lines of a CUDA context on /dev/nvidiaMINOR (row 12: the node mapped 3 times)."""
+    return ["/dev/nvidia%d" % minor] * 3
+
+
+def vis(minor):
+    """Map lines of a GPU that is only visible to a CUDA process (row 9: the node mapped twice)."""
+    return ["/dev/nvidia%d" % minor] * 2
+
+
+def tcp_line(slot, inode, local, remote):
+    """One ESTABLISHED line of /proc/net/tcp as the kernel writes it."""
+    return ("%4d: %s %s 01 00000000:00000000 00:00000000 00000000     0        0 %d 1 0000000000000000 20 4 30 10 -1"
+            % (slot, local, remote, inode))
+
+
 def maps_lines(paths):
     """maps text as the kernel writes it, one mapping per device path."""
     lines = ["5581d000-5581e000 r--p 00000000 08:01 1312  /usr/bin/python3.11",
@@ -34,9 +50,21 @@ class ProcTree(object):
             f.write("1000.00 1900.00\n")
 
     def add(self, pid, comm="python3", state="S", ppid=1, threads=1, starttime=1000, maps=(), fds=(),
-            argv=None, nspid=None, uid=0, cgroup="0::/lxc/101/ns\n", tasks=None, raw_maps=None):
+            argv=None, nspid=None, uid=0, cgroup="0::/lxc/101/ns\n", tasks=None, raw_maps=None, pgrp=None,
+            session=None, netns=None, tcp=()):
         base = os.path.join(self.root, str(pid))
         os.makedirs(os.path.join(base, "fd"))
+        self._ids = (pgrp or pid, session or pid)
+        if netns is not None:
+            os.makedirs(os.path.join(base, "ns"))
+            shared = os.path.join(self.root, "netns-%s" % netns)
+            open(shared, "a").close()
+            os.symlink(shared, os.path.join(base, "ns", "net"))
+            os.makedirs(os.path.join(base, "net"))
+            with open(os.path.join(base, "net", "tcp"), "w") as f:
+                f.write("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n")
+                for slot, (inode, local, remote) in enumerate(tcp):
+                    f.write(tcp_line(slot, inode, local, remote) + "\n")
         self._task_files(base, pid, comm, state, ppid, threads, starttime, maps, fds, raw_maps)
         with open(os.path.join(base, "status"), "w") as f:
             f.write("Name:\t%s\nUmask:\t0022\nState:\t%s (%s)\nTgid:\t%d\nNgid:\t0\nPid:\t%d\nPPid:\t%d\n"
@@ -66,9 +94,10 @@ class ProcTree(object):
 
     def _task_files(self, base, pid, comm, state, ppid, threads, starttime, maps, fds, raw_maps):
         with open(os.path.join(base, "stat"), "w") as f:
+            pgrp, session = getattr(self, "_ids", (pid, pid))
             f.write("%d (%s) %s %d %d %d 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 %d 0 %d 1000000 200 "
                     "18446744073709551615 1 1 0 0 0 0 0 16781312 0 0 0 17 1 0 0 0 0 0\n"
-                    % (pid, comm, state, ppid, pid, pid, threads, starttime))
+                    % (pid, comm, state, ppid, pgrp, session, threads, starttime))
         with open(os.path.join(base, "maps"), "w") as f:
             f.write(raw_maps if raw_maps is not None else (maps_lines(maps) if maps or state != "Z" else ""))
         for i, target in enumerate(fds):

@@ -1,6 +1,8 @@
 """A real process that holds fake device files the way a CUDA process does (for ladder tests).
 
 python holder_proc.py KIND DEV_DIR MINOR: prints 'ready' once it maps the files, then sleeps.
+Like CUDA on driver 580 (GPU_FACTS rows 9 and 12): the context's node is mapped 3 times,
+every other /dev/nvidiaN of DEV_DIR twice.
 KIND: plain, term_ignoring, defunct (the leader exits, threads keep the mappings).
 """
 import ctypes
@@ -15,11 +17,15 @@ kind, dev_dir, minor = sys.argv[1], sys.argv[2], sys.argv[3]
 if kind == "term_ignoring":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 fds = [os.open(os.path.join(dev_dir, name), os.O_RDWR) for name in ("nvidiactl", "nvidia" + minor, "nvidia-uvm")]
-maps = [mmap.mmap(fd, 4096) for fd in fds]
+maps = [mmap.mmap(fd, 4096) for fd in fds] + [mmap.mmap(fds[1], 4096) for dummy in range(2)]
+for name in sorted(os.listdir(dev_dir)):
+    if name.startswith("nvidia") and name[6:].isdigit() and name != "nvidia" + minor:
+        fd = os.open(os.path.join(dev_dir, name), os.O_RDWR)
+        maps += [mmap.mmap(fd, 4096) for dummy in range(2)]
 sys.stdout.write("ready\n")
 sys.stdout.flush()
 if kind == "defunct":
-    for _ in range(2):
+    for dummy in range(2):
         threading.Thread(target=time.sleep, args=(600,)).start()
     ctypes.CDLL(None).syscall(60, 0)
 time.sleep(600)

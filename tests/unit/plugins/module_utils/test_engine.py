@@ -5,7 +5,7 @@ import pytest
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine, fmt_mib, missing_lib_message
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml, NvmlFailure
 
-from conftest import CTL, UVM
+from conftest import CTL, UVM, ctx, vis
 from fake_nvml import FakeNvml
 
 
@@ -17,7 +17,7 @@ def engine_for(proc, gpus, timeout=2.0, **kw):
 
 
 def test_defunct_leader_sentence_and_holder_details(proc):
-    g0 = ["/dev/nvidia0", CTL, UVM]
+    g0 = ctx(0) + [CTL, UVM]
     proc.add(533, state="Z", threads=19, argv=["python3", "train.py", "--token", "abc"],
              tasks=dict([(533, {"state": "Z"})] + [(534 + i, {"state": "S", "maps": g0, "fds": g0}) for i in range(18)]))
     engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 33000, "procs": [(533, 33000)]}])
@@ -27,22 +27,34 @@ def test_defunct_leader_sentence_and_holder_details(proc):
     assert holder["gpus"] == [0] and holder["cmdline"] == "python3 train.py --token ********"
     assert holder["create_time"] == pytest.approx(1764400000 + 10.0)
     assert report.gpus[0]["nvml_processes"][0]["status"] == "holder"
-    assert ("pid 533 (python3) is a defunct leader with 18 live threads holding /dev/nvidia-uvm, /dev/nvidia0, "
-            "/dev/nvidiactl; SIGKILL to 533 frees it; fuser does not see it") in report.diagnosis
+    assert holder["evidence"] == ["nvml", "mapping"] and holder["shares_mib"] == {0: 33000}
+    assert ("pid 533 (python3) is a defunct leader with 18 live threads holding GPU 0 (32.2 GiB by NVML); "
+            "SIGKILL to 533 frees it; fuser does not see it") in report.diagnosis
     assert not report.all_free
 
 
-def test_fork_child_of_dead_pid_is_named(proc):
-    g0 = ["/dev/nvidia0", CTL, UVM]
-    proc.add(585, comm="pt_data_worker", maps=g0, fds=g0)
+def test_fork_child_of_dead_pid_is_pinned_and_named_heir_by_its_process_group(proc):
+    proc.add(585, comm="pt_data_worker", maps=ctx(0) + [CTL], fds=["/dev/nvidia0", CTL, UVM], pgrp=560)
     engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 32768, "procs": [(560, 32768)]}])
     report = engine.snapshot([0])
     nvml = report.gpus[0]["nvml_processes"][0]
     assert nvml["status"] == "not_visible" and not nvml["matches_holder"]
     assert report.gpus[0]["holders"] == [585] and report.gpus[0]["unattributed_mib"] == 0
-    assert any(line.startswith("NVML names pid 560 on GPU 0 (minor 0), which no longer exists; the memory is held "
-                               "by pid 585 (pt_data_worker), probably its forked child, through inherited fds")
-               and line.endswith("SIGKILL to 585 frees it") for line in report.diagnosis)
+    child = report.holders[0]
+    assert child["gpus"] == [0] and child["heir_of"] == [560] and child["shares_mib"] == {0: 32768}
+    assert child["evidence"] == ["mapping", "dead_pid", "heir"]
+    assert ("NVML names pid 560 on GPU 0, which no longer exists; the memory is held by pid 585 (pt_data_worker), "
+            "its forked child (its process group is 560), the only holder NVML does not name that maps a context on "
+            "GPU 0; SIGKILL to 585 frees it") in report.diagnosis
+
+
+def test_unrelated_holder_is_pinned_but_never_called_a_forked_child(proc):
+    proc.add(585, comm="python3", maps=ctx(0) + [CTL], fds=["/dev/nvidia0"], pgrp=585, session=300)
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 32768, "procs": [(560, 32768)]}])
+    report = engine.snapshot([0])
+    assert report.holders[0]["gpus"] == [0] and report.holders[0]["heir_of"] == []
+    assert "heir" not in report.holders[0]["evidence"]
+    assert not [line for line in report.diagnosis if "forked child" in line]
 
 
 def test_unattributed_memory_says_look_from_the_node(proc):
@@ -61,10 +73,12 @@ def test_free_uses_v2_used_and_threshold(proc):
 
 
 def test_layout_minors_4_to_7_seen_as_0_to_3(proc):
-    proc.add(70, maps=["/dev/nvidia6", CTL, UVM], fds=["/dev/nvidia6"])
+    proc.add(70, maps=ctx(6) + vis(4) + vis(5) + vis(7) + [CTL, UVM], fds=["/dev/nvidia6"])
     engine, dummy = engine_for(proc, [{"minor": m, "used_mib": 1000 if m == 6 else 0} for m in (4, 5, 6, 7)])
     report = engine.snapshot([0, 1, 2, 3])
-    assert report.holders[0]["gpus"] == [2] and report.holders[0]["gpu_minors"] == [6]
+    holder = report.holders[0]
+    assert holder["gpus"] == [2] and holder["gpu_minors"] == [4, 5, 6, 7] and holder["maps_gpus"] == [0, 1, 2, 3]
+    assert holder["context_gpus"] == [2] and holder["evidence"] == ["mapping", "unaccounted"]
     assert [g["holders"] for g in report.gpus] == [[], [], [70], []]
 
 
@@ -82,7 +96,9 @@ def test_holder_of_only_ctl_and_uvm_is_unattributed(proc):
     engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 500}, {"minor": 1, "used_mib": 0}])
     report = engine.snapshot([0, 1])
     assert report.holders[0]["unattributed"] and report.as_dict()["holders_unattributed"] == [90]
-    assert any("all GPUs, unattributed" in line for line in report.diagnosis)
+    assert report.holders[0]["gpus"] == [] and report.holders[0]["evidence"] == []
+    assert ("pid 90 (python3) maps only /dev/nvidia-uvm, /dev/nvidiactl: it has a context that no evidence pins to a "
+            "GPU; it is signalled only when every GPU it maps (every GPU) is targeted") in report.diagnosis
 
 
 def test_zombie_reported_with_its_parent_as_holding_nothing(proc):
@@ -97,7 +113,7 @@ def test_zombie_reported_with_its_parent_as_holding_nothing(proc):
 
 
 def test_d_state_holder_sentence_names_wchan(proc):
-    g0 = ["/dev/nvidia0", CTL, UVM]
+    g0 = ctx(0) + [CTL, UVM]
     proc.add(812, state="D", maps=g0, fds=g0, tasks={812: {"state": "D", "wchan": "hrtimer_nanosleep"}})
     engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 1024, "procs": [(812, 1024)]}])
     report = engine.snapshot([0])

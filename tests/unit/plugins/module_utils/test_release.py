@@ -15,7 +15,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._release import (
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import Protect, compile_regex
 
-from conftest import CTL, UVM
+from conftest import CTL, UVM, ctx, vis
 from fake_nvml import FakeNvml
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -30,14 +30,19 @@ def recorded(proc, gpus, setup):
     return engine, engine.snapshot([g["index"] for g in engine.gpus])
 
 
+def pids(records):
+    return [r["pid"] for r in records]
+
+
 def test_decide_signals_holders_of_targets_only(proc):
     def setup(p):
-        p.add(10, maps=["/dev/nvidia0", CTL, UVM], fds=["/dev/nvidia0"])
-        p.add(11, maps=["/dev/nvidia1", CTL, UVM], fds=["/dev/nvidia1"])   # bystander on GPU 1
+        p.add(10, maps=ctx(0) + vis(1) + [CTL, UVM], fds=["/dev/nvidia0"])
+        p.add(11, maps=vis(0) + ctx(1) + [CTL, UVM], fds=["/dev/nvidia1"])   # bystander on GPU 1, maps GPU 0 too
         p.add(12, comm="nvidia-smi", fds=["/dev/nvidia0", CTL])            # client
-    engine, report = recorded(proc, [{"minor": 0, "used_mib": 10}, {"minor": 1, "used_mib": 10}], setup)
-    to_signal, skipped = decide(report, [0], [0, 1])
-    assert [r["pid"] for r in to_signal] == [10] and skipped == []
+    engine, report = recorded(proc, [{"minor": 0, "used_mib": 10, "procs": [(10, 10)]},
+                                     {"minor": 1, "used_mib": 10, "procs": [(11, 10)]}], setup)
+    decision = decide(report, [0], [0, 1])
+    assert pids(decision.to_signal) == [10] and decision.skipped == [] and decision.refusals == []
 
 
 def test_decide_protects_builtin_names_pid1_user_entries_and_match(proc):
@@ -51,10 +56,9 @@ def test_decide_protects_builtin_names_pid1_user_entries_and_match(proc):
         p.add(23, comm="python3", argv=["python3", "train.py"], maps=g0, fds=g0)
         p.add(24, comm="keepme", maps=g0, fds=g0)
     engine, report = recorded(proc, [{"minor": 0, "used_mib": 10}], setup)
-    to_signal, skipped = decide(report, [0], [0], match=compile_regex(r"train|keepme", "match"),
-                                protect=Protect(["keepme"]))
-    assert [r["pid"] for r in to_signal] == [23]
-    reasons = dict((s["pid"], s["reason"]) for s in skipped)
+    decision = decide(report, [0], [0], match=compile_regex(r"train|keepme", "match"), protect=Protect(["keepme"]))
+    assert pids(decision.to_signal) == [23]
+    reasons = dict((s["pid"], s["reason"]) for s in decision.skipped)
     assert reasons[1] == "pid 1 is never signalled"
     assert "nvidia-persistenced is on the built-in protect list" == reasons[20]
     assert "dcgm-exporter" in reasons[21]
@@ -66,18 +70,137 @@ def test_decide_unpinned_holder_only_when_every_gpu_is_targeted(proc):
     def setup(p):
         p.add(30, maps=[CTL, UVM], fds=[CTL, UVM])
     engine, report = recorded(proc, [{"minor": 0, "used_mib": 10}, {"minor": 1, "used_mib": 0}], setup)
-    to_signal, skipped = decide(report, [0], [0, 1])
-    assert to_signal == [] and "cannot be pinned to one GPU" in skipped[0]["reason"]
-    to_signal, skipped = decide(report, [0, 1], [0, 1])
-    assert [r["pid"] for r in to_signal] == [30] and skipped == []
+    decision = decide(report, [0], [0, 1])
+    assert decision.to_signal == [] and "not pinned to any GPU" in decision.skipped[0]["reason"]
+    decision = decide(report, [0, 1], [0, 1])
+    assert pids(decision.to_signal) == [30] and decision.skipped == []
 
 
 def test_decide_unpinned_holder_named_by_nvml_on_a_target(proc):
     def setup(p):
         p.add(31, maps=[CTL, UVM], fds=[CTL, UVM, "/dev/nvidia0"])
     engine, report = recorded(proc, [{"minor": 0, "used_mib": 10, "procs": [(31, 10)]}, {"minor": 1}], setup)
-    to_signal, dummy = decide(report, [0], [0, 1])
-    assert [r["pid"] for r in to_signal] == [31]
+    assert pids(decide(report, [0], [0, 1]).to_signal) == [31]
+
+
+# ---- several GPUs (GPU_FACTS rows 9-21)
+
+THREE = [{"minor": 0, "used_mib": 0}, {"minor": 1, "used_mib": 0}, {"minor": 2, "used_mib": 0}]
+
+
+def gpus_with(procs, extra=None):
+    """Three GPUs; procs: {minor: [(pid, MiB)]}; used is their sum plus extra[minor]."""
+    out = []
+    for gpu in THREE:
+        listed = procs.get(gpu["minor"], [])
+        used = sum(m for dummy, m in listed) + (extra or {}).get(gpu["minor"], 0)
+        out.append({"minor": gpu["minor"], "used_mib": used, "procs": listed})
+    return out
+
+
+def test_one_gpu_each_target_one_plans_exactly_its_holder(proc):
+    def setup(p):
+        p.add(40, maps=ctx(0) + vis(1) + vis(2) + [CTL, UVM], fds=["/dev/nvidia0"])
+        p.add(41, maps=vis(0) + ctx(1) + vis(2) + [CTL, UVM], fds=["/dev/nvidia1"])
+        p.add(42, maps=vis(0) + vis(1) + ctx(2) + [CTL, UVM], fds=["/dev/nvidia2"])
+    engine, report = recorded(proc, gpus_with({0: [(40, 2048)], 1: [(41, 2048)], 2: [(42, 2048)]}), setup)
+    assert [(h["pid"], h["gpus"], h["maps_gpus"]) for h in report.holders] == [
+        (40, [0], [0, 1, 2]), (41, [1], [0, 1, 2]), (42, [2], [0, 1, 2])]
+    decision = decide(report, [1], [0, 1, 2])
+    assert pids(decision.to_signal) == [41] and decision.skipped == [] and decision.refusals == []
+
+
+def test_stray_context_is_side_effect_one_way_and_refused_the_other(proc):
+    def setup(p):
+        p.add(50, maps=ctx(0) + ctx(1) + vis(2) + [CTL, UVM], fds=["/dev/nvidia1"])
+    engine, report = recorded(proc, gpus_with({0: [(50, 518)], 1: [(50, 5638)]}), setup)
+    assert report.holders[0]["gpus"] == [0, 1] and report.holders[0]["shares_mib"] == {0: 518, 1: 5638}
+    from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser
+    releaser = Releaser(engine, [1])
+    plan = releaser.prepare(report)
+    assert releaser.refusals == [] and plan[0]["side_effect_gpus"] == [{"index": 0, "mib": 518}]
+    assert "frees GPU 0 (518 MiB) as a side effect" in plan[0]["note"]
+    decision = decide(report, [0], [0, 1, 2])
+    assert pids(decision.to_signal) == [50] and len(decision.refusals) == 1
+    assert decision.refusals[0].startswith("pid 50 (python3) holds GPU 1 (5638 MiB), which is not targeted")
+    assert "collateral: stop" in decision.refusals[0] and "target GPU 1 too" in decision.refusals[0]
+    assert decide(report, [0], [0, 1, 2], collateral="stop").refusals == []
+    assert decide(report, [0], [0, 1, 2], tolerance_mib=6000).refusals == []
+
+
+def test_two_dead_parents_each_child_pinned_to_its_own_gpu(proc):
+    def setup(p):
+        p.add(510, comm="child0", maps=ctx(0) + vis(1) + vis(2), fds=["/dev/nvidia0"], pgrp=500)
+        p.add(511, comm="child1", maps=vis(0) + ctx(1) + vis(2), fds=["/dev/nvidia1"], pgrp=501)
+    engine, report = recorded(proc, gpus_with({0: [(500, 3000)], 1: [(501, 4000)]}), setup)
+    assert [(h["pid"], h["gpus"], h["heir_of"]) for h in report.holders] == [(510, [0], [500]), (511, [1], [501])]
+    assert pids(decide(report, [1], [0, 1, 2]).to_signal) == [511]
+
+
+def test_two_children_fitting_one_dead_pid_are_ambiguous_and_spared(proc):
+    def setup(p):
+        p.add(520, maps=ctx(0) + vis(1), fds=["/dev/nvidia0"])
+        p.add(521, maps=ctx(0) + vis(1), fds=["/dev/nvidia0"])
+    engine, report = recorded(proc, gpus_with({0: [(500, 3000)]}), setup)
+    assert [(h["gpus"], h["ambiguous_gpus"]) for h in report.holders] == [([], [0]), ([], [0])]
+    assert report.gpus[0]["ambiguous"] == [520, 521]
+    decision = decide(report, [0], [0, 1, 2])
+    assert decision.to_signal == [] and [s["reason"].split(":")[0] for s in decision.skipped] == ["ambiguous"] * 2
+    assert pids(decide(report, [0, 1], [0, 1, 2]).to_signal) == [520, 521]   # every GPU they map is targeted
+    assert any("pid 520 (python3) and pid 521 each map a context on GPU 0" in line for line in report.diagnosis)
+
+
+def test_legacy_host_pids_are_not_trusted_and_pinning_is_conservative(proc):
+    def setup(p):
+        p.add(729, comm="bash")
+        p.add(60, maps=ctx(0) + vis(1) + vis(2), fds=["/dev/nvidia0"])
+        p.add(61, maps=vis(0) + vis(1) + vis(2), fds=["/dev/nvidia1"])
+    engine, report = recorded(proc, gpus_with({0: [(729, 2048)]}), setup)
+    assert report.as_dict()["nvml_pids_trusted"] is False
+    holders = dict((h["pid"], h) for h in report.holders)
+    assert holders[60]["gpus"] == [0] and "nvml_pids_untrusted" in holders[60]["evidence"]
+    assert holders[61]["gpus"] == [] and 729 not in holders
+    assert any(line.startswith("NVML names pid 729 on GPU 0, but pid 729 here maps no /dev/nvidia* node")
+               for line in report.diagnosis)
+    assert pids(decide(report, [0], [0, 1, 2]).to_signal) == [60]
+
+
+def test_tcp_linked_holders_are_one_job_refused_unless_collateral_stop(proc):
+    a, b = "0100007F:1F90", "0100007F:C350"
+    table = [(1001, a, b), (1002, b, a)]
+
+    def setup(p):
+        p.add(70, comm="tp_rank0", maps=ctx(0) + vis(1) + vis(2), fds=["/dev/nvidia0", "socket:[1001]"],
+              netns="n1", tcp=table)
+        p.add(71, comm="tp_rank1", maps=vis(0) + ctx(1) + vis(2), fds=["/dev/nvidia1", "socket:[1002]"],
+              netns="n1", tcp=table)
+        p.add(72, comm="other", maps=vis(0) + vis(1) + ctx(2), fds=["/dev/nvidia2", "socket:[1002]"],
+              netns="n2", tcp=table)   # same inode, another namespace: no link
+    engine, report = recorded(proc, gpus_with({0: [(70, 3000)], 1: [(71, 3000)], 2: [(72, 3000)]}), setup)
+    assert report.as_dict()["jobs"] == [{"id": 70, "pids": [70, 71], "gpus": [0, 1]}]
+    decision = decide(report, [0], [0, 1, 2])
+    assert len(decision.refusals) == 1 and "pids 70, 71" in decision.refusals[0]
+    assert "collateral: stop (stops the whole job)" in decision.refusals[0]
+    stop = decide(report, [0], [0, 1, 2], collateral="stop")
+    assert stop.refusals == [] and pids(stop.to_signal) == [70, 71]
+    assert pids(decide(report, [0, 1], [0, 1, 2]).to_signal) == [70, 71]
+
+
+def test_residue_of_a_dead_rank_is_charged_to_the_surviving_job(proc):
+    a, b, c = "0100007F:1F90", "0100007F:C350", "0100007F:C351"
+    table = [(1001, a, b), (1002, b, a), (1003, a, c), (1004, c, a)]
+
+    def setup(p):
+        p.add(80, comm="tp_rank0", maps=ctx(0) + vis(1) + vis(2), fds=["socket:[1001]", "socket:[1003]"],
+              netns="n", tcp=table)
+        p.add(82, comm="tp_rank2", maps=vis(0) + vis(1) + ctx(2), fds=["socket:[1002]"], netns="n", tcp=table)
+    engine, report = recorded(proc, gpus_with({0: [(80, 3000)], 2: [(82, 3000)]}, extra={1: 291}), setup)
+    gpu1 = report.gpus[1]
+    assert gpu1["residue"] == {"job": 80, "pids": [80, 82], "mib": 291} and gpu1["holders"] == []
+    assert any(line.startswith("GPU 1 (minor 1): 291 MiB are held by the surviving ranks of the job of pid 80")
+               for line in report.diagnosis)
+    decision = decide(report, [1], [0, 1, 2])
+    assert decision.refusals and pids(decide(report, [1], [0, 1, 2], collateral="stop").to_signal) == [80, 82]
 
 
 def test_is_supervisor_and_find_nvidia_smi(tmp_path):
@@ -146,9 +269,12 @@ class Lab(object):
         return stat is not None and not (stat["state"] == "Z" and stat["num_threads"] <= 1)
 
     def _follow(self):
+        """A modern driver in the caller's namespace: used and the pid list follow the holders."""
         while not self.stop.is_set():
             for gpu in self.fake.gpus:
-                gpu["used_mib"] = sum(1000 for p, m in self.procs if m == gpu["minor"] and self.holding(p.pid))
+                held = [p.pid for p, m in self.procs if m == gpu["minor"] and self.holding(p.pid)]
+                gpu["procs"] = [(pid, 1000) for pid in held]
+                gpu["used_mib"] = 1000 * len(held)
             time.sleep(0.01)
 
     def engine(self):
@@ -237,7 +363,25 @@ def test_plan_lists_gpus_for_every_holder(proc):
 
     def setup(p):
         p.add(30, maps=[CTL, UVM], fds=[CTL, UVM])
-        p.add(31, maps=["/dev/nvidia1", CTL, UVM], fds=["/dev/nvidia1"])
-    engine, report = recorded(proc, [{"minor": 0, "used_mib": 10}, {"minor": 1, "used_mib": 10}], setup)
+        p.add(31, maps=vis(0) + ctx(1) + [CTL, UVM], fds=["/dev/nvidia1"])
+    engine, report = recorded(proc, [{"minor": 0, "used_mib": 10}, {"minor": 1, "used_mib": 10, "procs": [(31, 10)]}],
+                              setup)
     plan = Releaser(engine, [0, 1]).prepare(report)
-    assert [(p["pid"], p["gpus"], p["unattributed"]) for p in plan] == [(30, [0, 1], True), (31, [1], False)]
+    assert [(p["pid"], p["gpus"], p["unattributed"], p["why"]) for p in plan] == [
+        (30, [0, 1], True, "unpinned_all_mapped"), (31, [1], False, "pinned")]
+
+
+def test_job_with_a_member_left_out_by_match_is_refused_whole(proc):
+    a, b = "0100007F:1F90", "0100007F:C350"
+    table = [(1001, a, b), (1002, b, a)]
+
+    def setup(p):
+        p.add(90, comm="tp_rank0", argv=["python3", "serve.py"], maps=ctx(0) + vis(1), fds=["socket:[1001]"],
+              netns="n", tcp=table)
+        p.add(91, comm="tp_rank1", argv=["python3", "other.py"], maps=vis(0) + ctx(1), fds=["socket:[1002]"],
+              netns="n", tcp=table)
+    engine, report = recorded(proc, gpus_with({0: [(90, 3000)], 1: [(91, 3000)]}), setup)
+    decision = decide(report, [0, 1], [0, 1, 2], match=compile_regex("serve", "match"))
+    assert len(decision.refusals) == 1
+    assert decision.refusals[0].startswith("pid 90 (tp_rank0) belongs to the job of pid 90 (pids 90, 91")
+    assert "pid 91 (tp_rank1) of that job may not be signalled (does not match `match`" in decision.refusals[0]

@@ -20,11 +20,23 @@ version_added: 0.1.0
 notes:
   - The node is O(host) (C(ansible_host)). A container runs only on one node at a time and moves on migration;
     the inventory must say where it is now. A wrong node fails with a message that names the node.
-  - O(exec_method=lxc-attach) skips pct's Perl start-up (about 0.3 s a call). It also skips what pct checks and does
-    first. pct loads the container's config (so a vmid that is not on this node fails with a clear message). It refuses a
-    container that is not running with C(container 'VMID' not running!). It removes C(SSL_CERT_*) variables from
-    the environment. With C(lxc-attach) a stopped or absent container gives lxc-attach's own, vaguer errors,
-    and C(SSL_CERT_FILE)/C(SSL_CERT_DIR) set on the node reach the container.
+  - O(exec_method=lxc-attach) skips pct's Perl start-up (about 0.3 s a call). It also skips what pct checks
+    first. pct loads the container's config (so a vmid that is not on this node fails with a clear message) and
+    refuses a container that is not running with C(container 'VMID' not running!). With C(lxc-attach) a stopped or
+    absent container gives lxc-attach's own, vaguer errors.
+  - The container never sees the node session's environment (C(SSH_CONNECTION), C(SSH_CLIENT), C(SSH_AUTH_SOCK),
+    the node's C(LANG), ...). C(pct exec) gets C(--keep-env 0) (pve-container 5.0.9 and later, Proxmox VE 8.2+),
+    C(lxc-attach) gets C(--clear-env). The command then starts with lxc's C(PATH) and C(container=lxc), plus
+    C(HOME=/root), C(USER=root) and C(LOGNAME=root) set by the plugin.
+  - pct decodes its arguments by the node's locale (pve-common's C(decode('locale'))). The plugin runs pct with
+    C(LC_ALL=C.UTF-8), so non-ASCII paths and commands arrive unchanged whatever locale the SSH session has.
+  - Failures are told apart by where they happened. The node command prints a marker before it starts pct, and
+    the container's shell prints another before the command runs; the plugin removes both. No marker means SSH
+    failed (the host is UNREACHABLE and retried per O(reconnection_retries)). The first marker alone means pct,
+    sudo or lxc-attach failed on the node (UNREACHABLE with pct's reason, whatever its exit code, never retried).
+    Both markers mean the command ran, so its exit code and output are the task's, even 255 or a message such as
+    C(Permission denied (publickey)). A connection dropped after that point is reported as such and never retried,
+    because the command may still be running in the container.
   - The user inside the container is root (what C(pct exec) gives). C(ansible_user) is the node's SSH user.
     Ansible still sees that name as the remote user. That matters only for its become temp-file permission
     rules when O(node_become) is on.
@@ -332,21 +344,19 @@ options:
       - VMID of the LXC container on the node O(host).
       - C(pct_vmid) wins over C(proxmox_vmid), the variable that C(community.proxmox.proxmox_pct_remote) reads.
       - Required; a host without it fails with a message that names the variables.
+      - Only a host variable sets it. There is no environment variable or ini key, because one default would send
+        every host's tasks to the same container number on each node.
     type: int
     vars:
       - name: proxmox_vmid
       - name: pct_vmid
-    env:
-      - name: ANSIBLE_PCT_VMID
-    ini:
-      - section: pct_connection
-        key: vmid
   exec_method:
     description:
       - How the node enters the container.
-      - V(pct) runs C(pct exec VMID -- ...), with Proxmox's checks and its Perl start-up (about 0.3 s) on every call.
-      - V(lxc-attach) runs C(lxc-attach -n VMID --keep-env -- ...) directly. It is faster but skips the config check,
-        the running check and the removal of C(SSL_CERT_*) from the environment (see notes).
+      - V(pct) runs C(pct exec VMID --keep-env 0 -- ...), with Proxmox's checks and its Perl start-up (about 0.3 s)
+        on every call. It needs pve-container 5.0.9 or later (Proxmox VE 8.2+) for C(--keep-env).
+      - V(lxc-attach) runs C(lxc-attach -n VMID --clear-env -- ...) directly. It is faster but skips the config check
+        and the running check (see notes).
     type: string
     default: pct
     choices: [pct, lxc-attach]
@@ -360,8 +370,10 @@ options:
   node_become:
     description:
       - Run C(pct) (or C(lxc-attach)) through C(sudo -n) on the node, for a node user that is not root.
-      - 'The node needs a sudoers rule without password for that command, for example
-        C(ansible ALL = (root) NOPASSWD: /usr/sbin/pct).'
+      - 'The node needs a sudoers rule without password for that command. Never allow all of C(/usr/sbin/pct):
+        C(pct push), C(pct pull), C(pct set --mp0) and others read and write any file of the node, so that rule is
+        root on the node. Allow only C(exec) into named containers, for example
+        C(ansible ALL = (root) NOPASSWD: /usr/sbin/pct exec 101 --keep-env 0 -- *) (see the README).'
     type: boolean
     default: false
     vars:
@@ -448,16 +460,18 @@ EXAMPLES = r"""
 import fcntl
 import os
 import re
+import secrets
 import selectors
 import shlex
 import subprocess
+import tempfile
 import time
 import typing as t
 
 from ansible.errors import AnsibleAuthenticationFailure, AnsibleConnectionFailure, AnsibleError, AnsibleFileNotFound
 from ansible.module_utils.common.text.converters import to_bytes, to_native, to_text
 from ansible.plugins.connection import ConnectionBase
-from ansible.plugins.connection.ssh import Connection as SSHConnection, _ssh_retry
+from ansible.plugins.connection.ssh import AnsibleControlPersistBrokenPipeError, Connection as SSHConnection
 from ansible.utils.display import Display
 from ansible.utils.path import unfrackpath
 
@@ -465,13 +479,26 @@ display = Display()
 
 CHUNK = 256 * 1024
 CONTAINER_SHELL = '/bin/sh'
+# pct decodes its arguments by the locale (pve-common JSONSchema: decode('locale', ...)).
+PCT_LOCALE = 'C.UTF-8'
+# What the command gets on top of lxc's cleared environment (PATH, container=lxc): pct exec runs it as root.
+CONTAINER_ENV = (('HOME', '/root'), ('USER', 'root'), ('LOGNAME', 'root'))
 
-# Proxmox's own words (pve-container src/PVE/LXC.pm, PVE/AbstractConfig.pm); pct dies with exit code 255.
+# Proxmox's own words (pve-container src/PVE/LXC.pm, PVE/AbstractConfig.pm). pct dies through Perl's `die`,
+# whose exit code follows errno (2 for a missing config), so the words count, not the code.
 _NOT_RUNNING = re.compile(r"container '(\d+)' not running!")
 _NO_CONFIG = re.compile(r"Configuration file 'nodes/([^/']+)/lxc/(\d+)\.conf' does not exist")
+_NO_KEEP_ENV = re.compile(r'Unknown option: keep-env|unknown option --keep-env')
 _HOSTKEY_CHANGED = 'REMOTE HOST IDENTIFICATION HAS CHANGED'
 _HOSTKEY_FAILED = 'Host key verification failed'
 _AUTH_FAILED = re.compile(r'Permission denied \([^)]*\)')
+_SSH_CONNECT = re.compile(r'ssh: connect to host \S+ port \d+: (.+)|ssh: Could not resolve hostname \S+: (.+)|'
+                          r'Connection timed out during banner exchange|Connection closed by \S+ port \d+')
+# ssh's last words when the connection broke after the command had started (the last line of its stderr).
+_SSH_DROPPED = re.compile(r'^(?:Connection to \S+ closed by remote host\.|client_loop: send disconnect: .+|'
+                          r'Timeout, server \S+ not responding\.|mux_client_request_session: read from master failed: .+|'
+                          r'Control master terminated unexpectedly)$')
+_BROKEN_MUX = 'mux_client_hello_exchange: write packet: Broken pipe'
 _SUDO_PROBLEMS = ('a password is required', 'a terminal is required', 'is not in the sudoers file',
                   'is not allowed to execute')
 
@@ -481,11 +508,19 @@ def _first_line(text: str) -> str:
     return lines[0] if lines else ''
 
 
+class _SSHFailed(AnsibleConnectionFailure):
+    """SSH did not run the node command: retried per reconnection_retries."""
+
+
 class Connection(SSHConnection):
     """SSH to a Proxmox VE node, then pct exec into one of its containers."""
 
     transport = 'gpuops.fleet.pct'
     has_pipelining = True
+
+    def __init__(self, *args: t.Any, **kwargs: t.Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._markers = (b'', b'', b'')
 
     # -- the command the node runs --------------------------------------------------------------
 
@@ -496,28 +531,42 @@ class Connection(SSHConnection):
         return int(vmid)
 
     def _node_argv(self, container_argv: list[str]) -> list[str]:
-        """argv the node runs to execute container_argv inside the container."""
+        """argv the node runs to execute container_argv inside the container, environment cleared."""
         vmid = str(self._vmid())
         argv = []
         if self.get_option('node_become'):
             argv += ['sudo', '-n', '--']
         if self.get_option('exec_method') == 'lxc-attach':
-            argv += [self.get_option('lxc_attach_executable'), '-n', vmid, '--keep-env', '--']
+            argv += [self.get_option('lxc_attach_executable'), '-n', vmid, '--clear-env', '--']
         else:
-            argv += [self.get_option('pct_executable'), 'exec', vmid, '--']
+            argv += [self.get_option('pct_executable'), 'exec', vmid, '--keep-env', '0', '--']
         return argv + container_argv
 
-    def _node_command(self, container_argv: list[str]) -> str:
-        """One string for the node's POSIX login shell; each word single-quoted."""
-        return ' '.join(shlex.quote(word) for word in self._node_argv(container_argv))
+    def _new_markers(self) -> tuple[str, str, str]:
+        """One-off words on stderr: the node shell's before pct, the container shell's before the command,
+        and the node shell's after pct returned (with its exit code)."""
+        nonce = secrets.token_hex(8)
+        markers = tuple('gpuops-pct-%s-%s' % (stage, nonce) for stage in ('node', 'container', 'end'))
+        self._markers = tuple(marker.encode() for marker in markers)
+        return markers
 
-    def _wrap(self, cmd: str) -> str:
-        """Ansible's shell command line, run by /bin/sh inside the container."""
-        argv = [CONTAINER_SHELL, '-c', cmd]
+    def _node_command(self, container_script: str) -> str:
+        """One string for the node's POSIX login shell; container_script runs under /bin/sh in the container."""
+        node_marker, container_marker, end_marker = self._new_markers()
+        env = ' '.join('%s=%s' % pair for pair in CONTAINER_ENV)
+        script = "printf '%%s\\n' %s >&2; export %s\n%s" % (container_marker, env, container_script)
+        argv = [CONTAINER_SHELL, '-c', script]
         limit = self.get_option('command_timeout')
         if limit:
             argv = ['timeout', '-k', '5', str(int(limit))] + argv
-        return self._node_command(argv)
+        words = ' '.join(shlex.quote(word) for word in self._node_argv(argv))
+        locale = 'LC_ALL=%s ' % PCT_LOCALE if self.get_option('exec_method') == 'pct' else ''
+        return ("printf '%%s\\n' %s >&2; %s%s; rc=$?; printf '%%s %%s\\n' %s \"$rc\" >&2; exit \"$rc\""
+                % (node_marker, locale, words, end_marker))
+
+    def _wrap(self, cmd: str) -> str:
+        """Ansible's shell command line, run by /bin/sh inside the container."""
+        return self._node_command(cmd)
 
     # -- errors -------------------------------------------------------------------------------
 
@@ -525,55 +574,117 @@ class Connection(SSHConnection):
         user = self.get_option('remote_user')
         return '%s%s' % ('%s@' % user if user else '', self.host)
 
-    def _explain(self, rc: int, text: str) -> AnsibleError | None:
-        """A one-line error for a failure of the node, pct or ssh; None for the command's own failures."""
-        if rc == 0:
-            return None
-        text = text.replace('\r', '')  # a tty's line ends
-        vmid = str(self._vmid())
+    def _tool(self) -> str:
+        if self.get_option('exec_method') == 'lxc-attach':
+            return self.get_option('lxc_attach_executable')
+        return self.get_option('pct_executable')
+
+    def _strip_markers(self, data: bytes) -> tuple[bytes, list[bool]]:
+        """data without the marker lines; which of the node, container and end markers it had."""
+        seen = []
+        for index, marker in enumerate(self._markers):
+            tail = b' -?\\d+' if index == 2 else b''
+            found = re.search(b'(?m)^' + re.escape(marker) + tail + b'\r?\n', data) if marker else None
+            if found:
+                data = data[:found.start()] + data[found.end():]
+            seen.append(found is not None)
+        return data, seen
+
+    def _explain_ssh(self, text: str) -> AnsibleConnectionFailure:
+        """SSH did not run the node command: say why in one line."""
+        text = text.replace('\r', '')
         node = self._node_label()
-        if rc == 255 and _HOSTKEY_CHANGED in text:
+        if _HOSTKEY_CHANGED in text:
             return AnsibleConnectionFailure(
                 'host key of node %s does not match known_hosts (REMOTE HOST IDENTIFICATION HAS CHANGED); '
                 'if the node was reinstalled, replace its key in known_hosts. Host key checking stays on.' % self.host)
-        if rc == 255 and _HOSTKEY_FAILED in text:
+        if _HOSTKEY_FAILED in text:
             return AnsibleConnectionFailure(
                 'host key verification failed for node %s: its key is not in known_hosts (set UserKnownHostsFile '
                 'in ansible_ssh_common_args, or add the verified key). Host key checking stays on.' % self.host)
         auth = _AUTH_FAILED.search(text)
-        if rc == 255 and auth:
+        if auth:
             return AnsibleAuthenticationFailure(
                 'SSH authentication to node %s failed (%s): check ansible_user and ansible_ssh_private_key_file.'
                 % (node, auth.group(0)))
+        connect = _SSH_CONNECT.search(text)
+        if connect:
+            reason = connect.group(1) or connect.group(2) or connect.group(0)
+            hint = ' (is sshd running on the node?)' if 'refused' in reason else ''
+            return _SSHFailed('SSH to node %s failed: %s%s' % (node, reason.strip(), hint))
+        return _SSHFailed('SSH to node %s failed before the node ran pct: %s'
+                          % (node, _first_line(text) or 'ssh exited 255 without a message'))
+
+    def _explain_node(self, rc: int, text: str) -> AnsibleConnectionFailure:
+        """The node ran its command but the container's shell never started: pct, sudo or lxc-attach said no."""
+        text = text.replace('\r', '')  # a tty's line ends
+        vmid = str(self._vmid())
+        node = self._node_label()
+        tool = self._tool()
         stopped = _NOT_RUNNING.search(text)
-        if rc == 255 and stopped and stopped.group(1) == vmid:
+        if stopped and stopped.group(1) == vmid:
             return AnsibleConnectionFailure(
                 "container '%s' not running! (node %s): start it (pct start %s) or leave it out of the play."
                 % (vmid, node, vmid))
         elsewhere = _NO_CONFIG.search(text)
-        if rc == 255 and elsewhere and elsewhere.group(2) == vmid:
+        if elsewhere and elsewhere.group(2) == vmid:
             return AnsibleConnectionFailure(
                 "container %s is not on node %s (%s): pct found no nodes/%s/lxc/%s.conf there. Containers move "
                 "between nodes; use an inventory that tracks nodes (gpuops.fleet.proxmox_gpu reads them from the "
                 "Proxmox API) so that ansible_host names the node that hosts the container now."
                 % (vmid, elsewhere.group(1), self.host, elsewhere.group(1), vmid))
-        tool = (self.get_option('lxc_attach_executable') if self.get_option('exec_method') == 'lxc-attach'
-                else self.get_option('pct_executable'))
         if self._tool_missing(rc, text, tool):
             return AnsibleConnectionFailure(
                 '%s not found on node %s: is it a Proxmox VE node? Set pct_executable (or '
                 'pct_lxc_attach_executable) if the tool lives elsewhere.' % (tool, node))
-        if self.get_option('node_become') and rc == 1 and 'sudo' in text and any(p in text for p in _SUDO_PROBLEMS):
+        if self.get_option('node_become') and 'sudo' in text and any(p in text for p in _SUDO_PROBLEMS):
             return AnsibleConnectionFailure(
                 'node_become: sudo on node %s refused to run %s without a password (%s); add a NOPASSWD sudoers '
-                'rule for it.' % (node, tool, _first_line(text)))
+                'rule for it (see the README).' % (node, tool, _first_line(text)))
         if self.get_option('node_become') and self._tool_missing(rc, text, 'sudo'):
             return AnsibleConnectionFailure('node_become: sudo is not installed on node %s.' % node)
-        if self.get_option('exec_method') == 'lxc-attach' and rc in (1, 255) and text.lstrip().startswith('lxc-attach'):
+        if _NO_KEEP_ENV.search(text):
+            return AnsibleConnectionFailure(
+                'pct on node %s does not know --keep-env (pve-container before 5.0.9, Proxmox VE before 8.2): '
+                'upgrade the node, or use pct_exec_method=lxc-attach.' % node)
+        if self.get_option('exec_method') == 'lxc-attach' and text.lstrip().startswith('lxc-attach'):
             return AnsibleConnectionFailure(
                 'lxc-attach could not enter container %s on node %s (%s): it may be stopped or not on this node; '
                 'exec_method=pct gives clearer errors.' % (vmid, node, _first_line(text)))
+        return AnsibleConnectionFailure('%s could not enter container %s on node %s (exit code %d): %s'
+                                        % (tool, vmid, node, rc, _first_line(text) or 'no message'))
+
+    def _explain_after_start(self, rc: int, stderr: str, finished: bool) -> AnsibleConnectionFailure | None:
+        """The command started in the container; None when rc and output are simply the command's.
+
+        finished: the node shell printed the end marker, so pct returned and rc is its exit code.
+        """
+        vmid = str(self._vmid())
+        if rc == 255 and not finished:
+            lines = [line.strip() for line in stderr.replace('\r', '').splitlines() if line.strip()]
+            said = _SSH_DROPPED.match(lines[-1]) if lines else None
+            return AnsibleConnectionFailure(
+                'SSH connection to node %s dropped while the command ran in container %s (%s); it was not retried, '
+                'and the command may still be running in the container.'
+                % (self._node_label(), vmid, said.group(0) if said else 'ssh exited 255 before the command ended'))
+        if rc >= 128 and self.get_option('exec_method') == 'pct' and self._container_stopped():
+            return AnsibleConnectionFailure(
+                "container '%s' stopped while the task ran (node %s, exit code %d): the command did not finish."
+                % (vmid, self._node_label(), rc))
         return None
+
+    def _container_stopped(self) -> bool:
+        """Ask pct on the node whether the container is still running (after a command died of a signal)."""
+        argv = (['sudo', '-n', '--'] if self.get_option('node_become') else []) + \
+            [self.get_option('pct_executable'), 'status', str(self._vmid())]
+        cmd = self._build_command(self.get_option('ssh_executable'), 'ssh', self.host,
+                                  ' '.join(shlex.quote(word) for word in argv))
+        try:
+            status = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, check=False,
+                                    timeout=int(self.get_option('timeout')) + 10)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return status.returncode == 0 and b'status: stopped' in status.stdout
 
     @staticmethod
     def _tool_missing(rc: int, text: str, tool: str) -> bool:
@@ -585,19 +696,70 @@ class Connection(SSHConnection):
                   r'(?m)^\S+: ?\d+: (?:no such file or directory|command not found): %s$')
         return rc == 127 and any(re.search(pattern % name, text) for pattern in shells)
 
+    def _judge(self, rc: int, stdout: bytes, stderr: bytes) -> tuple[int, bytes, bytes]:
+        """The command's own result, markers removed; or raise where SSH or the node failed."""
+        stdout, in_out = self._strip_markers(stdout)
+        stderr, in_err = self._strip_markers(stderr)
+        node_seen, container_seen, finished = (a or b for a, b in zip(in_out, in_err))
+        text = to_text(stderr) + '\n' + to_text(stdout)
+        if container_seen:
+            clear = self._explain_after_start(rc, to_text(stderr), finished)
+            if clear is not None:
+                raise clear
+            return rc, stdout, stderr
+        if rc == 0:
+            return rc, stdout, stderr
+        if node_seen:
+            raise self._explain_node(rc, text)
+        if _BROKEN_MUX in text:
+            raise AnsibleControlPersistBrokenPipeError('ControlPersist broken pipe: %s' % _first_line(text))
+        raise self._explain_ssh(text)
+
     def _bare_run(self, cmd: list[bytes], in_data: bytes | None, sudoable: bool = True,
                   checkrc: bool = True) -> tuple[int, bytes, bytes]:
         try:
-            rc, stdout, stderr = super()._bare_run(cmd, in_data, sudoable=sudoable, checkrc=checkrc)
-        except AnsibleConnectionFailure as failure:
-            clear = self._explain(255, to_text(failure))
-            if clear is not None:
-                raise clear from None
+            rc, stdout, stderr = super()._bare_run(cmd, in_data, sudoable=sudoable, checkrc=False)
+        except AnsibleControlPersistBrokenPipeError:
             raise
-        clear = self._explain(rc, to_text(stderr) + '\n' + to_text(stdout))
-        if clear is not None:
-            raise clear
-        return rc, stdout, stderr
+        except AnsibleConnectionFailure as failure:
+            if isinstance(failure, AnsibleAuthenticationFailure):
+                raise
+            raise self._explain_ssh(to_text(failure)) from None
+        return self._judge(rc, stdout, stderr)
+
+    def _retrying(self, cmd: list[bytes], attempt: t.Callable[[], tuple[int, bytes, bytes]]) -> tuple[int, bytes, bytes]:
+        """Run attempt(); again once on the ControlPersist broken-pipe race (as ansible-core's ssh plugin does),
+        and up to reconnection_retries times when SSH failed before the node ran anything."""
+        tries = int(self.get_option('reconnection_retries')) + 1
+        pipe_race_retried = False
+        failures = 0
+        while True:
+            try:
+                return attempt()
+            except AnsibleControlPersistBrokenPipeError as race:
+                if pipe_race_retried:
+                    raise self._explain_ssh(to_text(race)) from None
+                pipe_race_retried = True
+                display.vvv('RETRYING BECAUSE OF CONTROLPERSIST BROKEN PIPE', host=self.host)
+            except _SSHFailed:
+                failures += 1
+                if failures >= tries:
+                    raise
+                pause = min(2 ** (failures - 1) - 1, 30)
+                display.vv('ssh_retry: attempt %d failed, pausing for %d seconds' % (failures, pause), host=self.host)
+                time.sleep(pause)
+            self._renew_sshpass_pipe(cmd)
+
+    def _renew_sshpass_pipe(self, cmd: list[bytes]) -> None:
+        """sshpass reads the password from a pipe that one run used up."""
+        conn_password = self.get_option('password') or self._play_context.password
+        if self.get_option('password_mechanism') == 'sshpass' and conn_password and cmd and cmd[0] == b'sshpass':
+            self.sshpass_pipe = os.pipe()
+            cmd[1] = b'-d' + to_bytes(self.sshpass_pipe[0], nonstring='simplerepr', errors='surrogate_or_strict')
+
+    def _run(self, cmd: list[bytes], in_data: bytes | None, sudoable: bool = True,
+             checkrc: bool = True) -> tuple[int, bytes, bytes]:
+        return self._retrying(cmd, lambda: self._bare_run(cmd, in_data, sudoable=sudoable, checkrc=checkrc))
 
     # -- one SSH connection per node ----------------------------------------------------------
 
@@ -664,46 +826,65 @@ class Connection(SSHConnection):
         if not os.path.exists(to_bytes(in_path, errors='surrogate_or_strict')):
             raise AnsibleFileNotFound('file or module does not exist: %s' % to_native(in_path))
         self._ensure_master()
-        remote = self._node_command([CONTAINER_SHELL, '-c', 'cat > %s' % shlex.quote(to_text(out_path))])
+        remote = self._node_command('cat > %s' % shlex.quote(to_text(out_path)))
         cmd = self._build_command(self.get_option('ssh_executable'), 'ssh', self.host, remote)
-        return self._stream(cmd, in_path, out_path, 'put')
+        return self._retrying(cmd, lambda: self._stream(cmd, in_path, out_path, 'put'))
 
     def fetch_file(self, in_path: str, out_path: str) -> tuple[int, bytes, bytes]:  # type: ignore[override]
-        """Stream a file out of the container: cat < IN, written to OUT in chunks."""
+        """Stream a file out of the container into a temporary file next to OUT, renamed to OUT once complete."""
         ConnectionBase.fetch_file(self, in_path, out_path)
         self.host = self.get_option('host') or self._play_context.remote_addr
         display.vvv('FETCH %s TO %s from container %s' % (in_path, out_path, self._vmid()), host=self.host)
         self._ensure_master()
-        remote = self._node_command([CONTAINER_SHELL, '-c', 'exec cat < %s' % shlex.quote(to_text(in_path))])
+        remote = self._node_command('exec cat < %s' % shlex.quote(to_text(in_path)))
         cmd = self._build_command(self.get_option('ssh_executable'), 'ssh', self.host, remote)
-        return self._stream(cmd, in_path, out_path, 'fetch')
+        return self._retrying(cmd, lambda: self._stream(cmd, in_path, out_path, 'fetch'))
 
     # -- streaming ----------------------------------------------------------------------------
 
-    @_ssh_retry
     def _stream(self, cmd: list[bytes], in_path: str, out_path: str, direction: str) -> tuple[int, bytes, bytes]:
-        local = out_path if direction == 'fetch' else in_path
-        b_local = to_bytes(local, errors='surrogate_or_strict')
-        with open(b_local, 'wb' if direction == 'fetch' else 'rb') as local_file:
-            rc, stderr = self._pump(cmd, local_file, direction)
-        text = to_text(stderr)
-        clear = self._explain(rc, text)
-        if clear is not None:
-            if direction == 'fetch':
-                os.unlink(b_local)
-            raise clear
-        if rc == 255:
-            return rc, b'', stderr  # ssh failed; _ssh_retry retries or raises
+        if direction == 'put':
+            with open(to_bytes(in_path, errors='surrogate_or_strict'), 'rb') as local_file:
+                rc, stderr, dummy = self._pump(cmd, local_file, direction)
+            return self._stream_result(rc, stderr, in_path, direction)
+        b_out = to_bytes(out_path, errors='surrogate_or_strict')
+        directory, name = os.path.split(b_out)
+        fd, b_partial = tempfile.mkstemp(dir=directory or b'.', prefix=b'.' + name + b'.', suffix=b'.part')
+        try:
+            umask = os.umask(0o022)
+            os.umask(umask)
+            os.fchmod(fd, 0o666 & ~umask)  # what open(OUT, 'wb') would have given
+            with os.fdopen(fd, 'wb', buffering=0) as local_file:
+                rc, stderr, write_error = self._pump(cmd, local_file, direction)
+            if write_error is not None:
+                raise AnsibleError('failed to fetch %s from container %s: writing %s failed: %s; ssh was stopped and '
+                                   'the partial file removed' % (to_native(in_path), self._vmid(), to_native(out_path),
+                                                                 write_error.strerror or write_error))
+            result = self._stream_result(rc, stderr, in_path, direction)
+            os.replace(b_partial, b_out)
+            return result
+        except BaseException:
+            try:
+                os.unlink(b_partial)
+            except FileNotFoundError:
+                pass
+            raise
+
+    def _stream_result(self, rc: int, stderr: bytes, in_path: str, direction: str) -> tuple[int, bytes, bytes]:
+        """Raise for SSH, node or command failures of a put/fetch; markers removed."""
+        rc, dummy, stderr = self._judge(rc, b'', stderr)
         if rc != 0:
-            if direction == 'fetch':
-                os.unlink(b_local)
             raise AnsibleError('failed to %s %s %s container %s: %s' % (
                 direction, to_native(in_path), 'into' if direction == 'put' else 'from',
-                self._vmid(), _first_line(text) or 'exit code %d' % rc))
+                self._vmid(), _first_line(to_text(stderr)) or 'exit code %d' % rc))
         return rc, b'', stderr
 
-    def _pump(self, cmd: list[bytes], local_file: t.BinaryIO, direction: str) -> tuple[int, bytes]:
-        """Run ssh; copy local_file to its stdin (put) or its stdout to local_file (fetch), CHUNK at a time."""
+    def _pump(self, cmd: list[bytes], local_file: t.BinaryIO, direction: str) -> tuple[int, bytes, OSError | None]:
+        """Run ssh; copy local_file to its stdin (put) or its stdout to local_file (fetch), CHUNK at a time.
+
+        Returns ssh's exit code, its stderr, and the error that writing local_file raised (ssh is then killed,
+        so that it never blocks on a full pipe while this waits for it).
+        """
         display.vvv('SSH: STREAM %s' % ' '.join(shlex.quote(to_text(c)) for c in cmd), host=self.host)
         popen_kwargs = self._init_shm()
         if self.sshpass_pipe:
@@ -726,6 +907,8 @@ class Connection(SSHConnection):
 
         stderr = bytearray()
         pending = b''
+        write_error = None
+        finished = False
         selector = selectors.DefaultSelector()
         for stream in (proc.stdout, proc.stderr):
             os.set_blocking(stream.fileno(), False)
@@ -735,7 +918,7 @@ class Connection(SSHConnection):
             selector.register(proc.stdin, selectors.EVENT_WRITE)
         stdout_open = True
         try:
-            while selector.get_map():
+            while selector.get_map() and write_error is None:
                 for key, dummy in selector.select(1.0):
                     if key.fileobj is proc.stdin:
                         if not pending:
@@ -766,12 +949,21 @@ class Connection(SSHConnection):
                     if key.fileobj is proc.stderr:
                         stderr += data
                     elif direction == 'fetch':
-                        local_file.write(data)
+                        try:
+                            view = memoryview(data)
+                            while view:
+                                view = view[os.write(local_file.fileno(), view):]
+                        except OSError as ex:
+                            write_error = ex
+                            break
                 # A new ControlPersist master inherits stderr and keeps it open: stop once ssh is gone.
                 if not stdout_open and proc.poll() is not None:
                     break
+            finished = write_error is None
         finally:
             selector.close()
+            if not finished and proc.poll() is None:
+                proc.kill()  # a write that failed, or an exception: ssh must not block on a pipe nobody reads
             if proc.stdin and not proc.stdin.closed:
                 try:
                     proc.stdin.close()
@@ -789,7 +981,7 @@ class Connection(SSHConnection):
             proc.stdout.close()
             proc.stderr.close()
             self._cleanup_shm()
-        return rc, bytes(stderr)
+        return rc, bytes(stderr), write_error
 
     def _cleanup_shm(self) -> None:
         """Drop the shared memory that handed the password to ssh's askpass helper."""

@@ -29,18 +29,32 @@ options:
     default: 64
   nvml_timeout:
     description:
-      - Seconds one NVML call may take. The driver can hang; a call that does not return in time marks its GPU
-        as failed (the task fails, naming the GPU) instead of hanging the task.
+      - Seconds one NVML call may take. The driver can hang in the kernel; NVML runs in a helper process, which is
+        killed and abandoned when a call does not return in time, so the GPU is marked failed (the task fails,
+        naming the GPU or C(nvmlInit)) instead of hanging the task, and nothing of the task is left holding
+        Ansible's pipes or the GPU locks.
       - Must be more than 0.
     type: float
     default: 5.0
+  reserved_floor_mib:
+    description:
+      - Only for drivers whose NVML has no v2 memory call (C(nvmlDeviceGetMemoryInfo_v2), drivers before R510).
+        Their v1 C(used) includes the driver's reserved memory (about 615 MiB on an H200), so it never reads as
+        free, and without this option such a GPU fails as C(memory unverifiable on this driver) (gpu_release then
+        signals nothing and never resets it).
+      - When set, C(used) is v1 C(used) minus this many MiB, and the result says that it was estimated
+        (C(memory.estimated), a diagnosis line). Use the v1 C(used) of an idle GPU of the same model and driver.
+      - Ignored when the v2 call exists. Must be 0 or more.
+    type: int
   redact:
     description:
       - Regular expressions whose matches are masked in the command lines this module returns, added to the
         defaults.
-      - A pattern with one group masks only the group; otherwise the whole match is masked.
-      - The defaults mask the values of C(--api-key X), C(--token X), C(--password X), C(--secret X) (also with
-        C(=)), and of C(token=), C(*_TOKEN=), C(password=), C(secret=).
+      - A pattern with exactly one group masks only the group (the whole match when that group did not take part);
+        otherwise the whole match is masked.
+      - The defaults mask the values of C(--api-key X), C(--token X), C(--hf-token X), C(--password X), C(--passwd X),
+        C(--pass X), C(--secret X) (also with C(=)), of C(token=), C(*_TOKEN=) (C(HF_TOKEN=)), C(password=), C(secret=),
+        the password of C(scheme://user:password@host), and the credential of an C(Authorization) header (C(Bearer X), C(Basic X)).
     type: list
     elements: str
     default: []

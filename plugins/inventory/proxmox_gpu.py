@@ -9,18 +9,31 @@ short_description: Running Proxmox VE LXC containers and their NVIDIA GPUs, from
 version_added: 0.1.0
 author: gpuops (@gpuops)
 description:
-  - Lists the running LXC containers of a Proxmox VE cluster with one call to C(GET /cluster/resources?type=vm), finds
-    each node's address with C(GET /cluster/status), and reads each container's config
-    (C(GET /nodes/NODE/lxc/VMID/config)) for the NVIDIA devices passed into it.
+  - Lists the LXC containers of a Proxmox VE cluster with one call to C(GET /cluster/resources?type=vm), finds
+    each node's address with C(GET /cluster/status), and reads each selected container's running config
+    (C(GET /nodes/NODE/lxc/VMID/config?current=1), so a pending change not yet applied is not taken for it) for the
+    NVIDIA devices passed into it.
+  - A container whose config cannot be read (it is migrating, its node just dropped out, the request timed out, the
+    user may not read it) is left out with a warning; the other containers are still listed.
+  - An empty result is a warning that names the likely cause (a user or token without C(VM.Audit) sees no guests).
   - Every container becomes a host reached with the C(gpuops.fleet.pct) connection. C(ansible_host) is the address of the
     node that hosts the container at the time of the run, so a migrated container is found on its new node and
     C(pct exec) never fails with "vmid not on this node".
   - "Host variables: C(ansible_connection), C(ansible_host), C(pct_vmid), C(proxmox_node), C(proxmox_name),
-    C(proxmox_status), C(proxmox_tags) (a list), C(proxmox_gpu_devices) (the C(/dev/nvidiaN) paths from C(devN) keys and
-    C(lxc.mount.entry) lines, by minor) and C(proxmox_gpu_minors)."
+    C(proxmox_status), C(proxmox_tags) (a list), C(proxmox_pool), C(proxmox_gpu_devices), C(proxmox_gpu_minors),
+    C(proxmox_gpu_container_devices) and C(proxmox_gpu_denied_devices)."
+  - "C(proxmox_gpu_devices) are the node's C(/dev/nvidiaN) devices passed in, by minor: from C(devN) keys (any option
+    order, C(path=) or not; not with C(deny-write)) and from C(lxc.mount.entry) lines by their source, when the
+    container's C(lxc.cgroup2.devices.allow) (or C(lxc.cgroup.devices.allow)) rules, read in order with the C(deny)
+    ones, let it read and write that device. C(/dev/nvidia3 dev/nvidia0) is minor 3, seen in the container as
+    C(/dev/nvidia0): C(proxmox_gpu_container_devices) lists those paths in the same order. A mount entry that the rules
+    do not allow is in C(proxmox_gpu_denied_devices), not in C(proxmox_gpu_devices)."
   - "Groups: C(gpu_containers) (containers with at least one C(/dev/nvidiaN)) and C(proxmox_node_NODE), plus those of
     O(groups) and O(keyed_groups)."
   - Values from the API are marked unsafe, so they are never templated.
+  - With the inventory cache on, only the container configs are taken from the cache. The guest list and the node
+    addresses are read at every run, and a cached config is used only for the same vmid, node and name, started at
+    the same time, so a migrated container is reached on its new node and a reused vmid is read again.
   - The inventory file name must end with C(proxmox_gpu.yml) or C(proxmox_gpu.yaml).
   - Uses the C(https) backend of proxmoxer, with a ticket (O(user) and O(password)) or an API token
     (O(user), O(token_id) and O(token_secret)).
@@ -88,10 +101,43 @@ options:
   tags:
     description:
       - Keep only containers that carry at least one of these Proxmox tags.
-      - An empty list keeps every running container.
+      - An empty list keeps every container.
     type: list
     elements: str
     default: []
+  statuses:
+    description:
+      - Keep only containers in one of these states.
+      - Add V(stopped) to list stopped containers too (for their GPU assignments; tasks cannot reach them).
+    type: list
+    elements: str
+    choices: [running, stopped]
+    default: [running]
+  nodes:
+    description: Keep only containers on these nodes. An empty list keeps every node.
+    type: list
+    elements: str
+    default: []
+  pools:
+    description: Keep only containers in one of these resource pools. An empty list keeps every container.
+    type: list
+    elements: str
+    default: []
+  names:
+    description:
+      - Keep only containers whose Proxmox name matches one of these shell patterns (V(sglang-*), V(ct10?)).
+      - An empty list keeps every name.
+    type: list
+    elements: str
+    default: []
+  hostname:
+    description:
+      - A template for the inventory host name, as in community.proxmox's inventory.
+      - Its variables are the fields of the container's C(/cluster/resources) entry, such as C(name), C(vmid), C(node),
+        C(status), C(tags) and C(pool); for example V({{ node }}-{{ vmid }}).
+      - Without it the host is the container's name. A name that is empty or already taken by another container
+        becomes C(ct<vmid>), with a warning when it came from this template.
+    type: str
 """
 
 EXAMPLES = r"""
@@ -118,9 +164,22 @@ keyed_groups:
     prefix: tag
 # ansible-inventory -i gpu.proxmox_gpu.yml --graph
 #   @gpu_containers, @proxmox_node_pve1, @multi_gpu, @tag_gpu ...
+
+# gpu.proxmox_gpu.yml: running and stopped containers of pool ml on pve1 and pve2, named NODE-VMID
+plugin: gpuops.fleet.proxmox_gpu
+url: https://pve1.example.org:8006
+user: ansible@pve
+token_id: inventory
+statuses: [running, stopped]
+pools: [ml]
+nodes: [pve1, pve2]
+names: ["sglang-*", "vllm-*"]
+hostname: "{{ node }}-{{ vmid }}"
 """
 
+import fnmatch
 import re
+import time
 
 from ansible.errors import AnsibleError, AnsibleParserError
 from ansible.module_utils.common.text.converters import to_native
@@ -139,8 +198,13 @@ except ImportError as exc:
     PROXMOXER_IMPORT_ERROR = exc
 
 NVIDIA_DEV = re.compile(r'^/dev/nvidia(\d+)$')
+NVIDIA_MAJOR = 195
 DEV_KEY = re.compile(r'^dev\d+$')
+RULE_KEYS = {'lxc.cgroup2.devices.allow': True, 'lxc.cgroup.devices.allow': True,
+             'lxc.cgroup2.devices.deny': False, 'lxc.cgroup.devices.deny': False}
 DEFAULT_PORT = 8006
+CACHE_FORMAT = 2
+START_TOLERANCE_S = 20  # /cluster/resources uptimes come from pvestatd, refreshed about every 10 s
 
 
 def split_tags(text):
@@ -148,26 +212,73 @@ def split_tags(text):
     return [tag for tag in re.split(r'[;, ]+', str(text or '')) if tag]
 
 
+def parse_device(value):
+    """A devN value ('[path=]PATH[,deny-write][,gid=][,mode=][,uid=]', options in any order) as a dict."""
+    fields = {}
+    for part in str(value).split(','):
+        key, sep, val = part.partition('=')
+        if sep:
+            fields[key] = val
+        elif key.startswith('/') and 'path' not in fields:
+            fields['path'] = key
+        elif key:
+            fields[key] = True
+    return fields
+
+
+def device_access(rules, major, minor):
+    """Access letters ('r', 'w', 'm') that the container's raw cgroup device rules, read in order, give a char device.
+
+    Proxmox containers start from LXC's deny-all device list: a device bound in by lxc.mount.entry opens only where
+    an allow rule covers it.
+    """
+    access = set()
+    for allow, rule in rules:
+        fields = rule.split()
+        if fields == ['a']:
+            fields = ['a', '*:*', 'rwm']
+        if len(fields) != 3 or fields[0] not in ('a', 'c'):
+            continue
+        rule_major, sep, rule_minor = fields[1].partition(':')
+        if not sep or rule_major not in ('*', str(major)) or rule_minor not in ('*', str(minor)):
+            continue
+        letters = set(fields[2]) & set('rwm')
+        access = access | letters if allow else access - letters
+    return access
+
+
+def gpu_passthrough(config):
+    """The node's /dev/nvidiaN devices a container config passes in, by minor.
+
+    A list of {minor, device (on the node), path (in the container), source (the config key), usable}: devN keys
+    (PVE adds their cgroup rule; deny-write makes them unusable) and lxc.mount.entry lines, whose source is the node's
+    device and whose destination the container's path, usable only where the raw cgroup rules allow rw.
+    """
+    found = {}
+    for key in sorted((k for k in config if DEV_KEY.match(k)), key=lambda k: int(k[3:])):
+        dev = parse_device(config[key])
+        match = NVIDIA_DEV.match(str(dev.get('path', '')))
+        if match and int(match.group(1)) not in found:
+            found[int(match.group(1))] = {'minor': int(match.group(1)), 'device': dev['path'], 'path': dev['path'],
+                                          'source': key, 'usable': not dev.get('deny-write')}
+    raw = [entry for entry in config.get('lxc') or [] if len(entry) == 2]
+    rules = [(RULE_KEYS[str(k)], str(v)) for k, v in raw if str(k) in RULE_KEYS]
+    for key, value in raw:
+        fields = str(value).split()
+        if str(key) != 'lxc.mount.entry' or len(fields) < 2:
+            continue
+        match = NVIDIA_DEV.match(fields[0])
+        if not match or int(match.group(1)) in found:
+            continue
+        minor = int(match.group(1))
+        found[minor] = {'minor': minor, 'device': fields[0], 'path': '/' + fields[1].lstrip('/'),
+                        'source': 'lxc.mount.entry', 'usable': set('rw') <= device_access(rules, NVIDIA_MAJOR, minor)}
+    return [found[m] for m in sorted(found)]
+
+
 def gpu_devices(config):
-    """The /dev/nvidiaN paths a container config passes in, from devN keys and lxc.mount.entry lines, by minor."""
-    paths = []
-    for key, value in config.items():
-        if DEV_KEY.match(key):
-            path = str(value).split(',', 1)[0]
-            paths.append(path[len('path='):] if path.startswith('path=') else path)
-    for entry in config.get('lxc') or []:
-        if len(entry) == 2 and entry[0] == 'lxc.mount.entry':
-            fields = str(entry[1]).split()
-            if fields:
-                paths.append(fields[0])
-                if len(fields) > 1:
-                    paths.append('/' + fields[1].lstrip('/'))
-    minors = {}
-    for path in paths:
-        match = NVIDIA_DEV.match(path)
-        if match:
-            minors[int(match.group(1))] = path
-    return [minors[m] for m in sorted(minors)]
+    """The node's /dev/nvidiaN paths a container can use, by minor."""
+    return [dev['device'] for dev in gpu_passthrough(config) if dev['usable']]
 
 
 def api_endpoint(url):
@@ -180,13 +291,32 @@ def api_endpoint(url):
     return parts.hostname, parts.port or DEFAULT_PORT
 
 
+def started_at(guest, now):
+    """When a running guest started (from its uptime), or None."""
+    try:
+        uptime = int(guest.get('uptime') or 0)
+    except (TypeError, ValueError):
+        return None
+    return int(now) - uptime if guest.get('status') == 'running' and uptime > 0 else None
+
+
+class ConfigUnreadable(Exception):
+    """One container's config could not be read; the others still can."""
+
+
 class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
-    """Running Proxmox VE LXC containers with their current node and their NVIDIA devices."""
+    """LXC containers with their current node and their NVIDIA devices."""
 
     NAME = 'gpuops.fleet.proxmox_gpu'
 
     def verify_file(self, path):
-        return super(InventoryModule, self).verify_file(path) and path.endswith(('proxmox_gpu.yml', 'proxmox_gpu.yaml'))
+        if not super(InventoryModule, self).verify_file(path):
+            return False
+        if not path.endswith(('proxmox_gpu.yml', 'proxmox_gpu.yaml')):
+            self.display.vvv('proxmox_gpu: skipping %s, its name does not end with proxmox_gpu.yml or proxmox_gpu.yaml'
+                             % path)
+            return False
+        return True
 
     # -- API --------------------------------------------------------------------------------------
 
@@ -213,13 +343,17 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
             raise AnsibleParserError('proxmox_gpu: authentication failed for %s at %s (wrong password?): %s'
                                      % (user, url, to_native(exc)))
         except requests.exceptions.RequestException as exc:
-            raise AnsibleParserError(self._request_error(url, exc))
+            raise AnsibleParserError(self._request_error(url, 'POST access/ticket', exc))
 
-    def _request_error(self, url, exc):
+    def _request_error(self, url, request, exc):
         if isinstance(exc, requests.exceptions.SSLError):
             return ('proxmox_gpu: TLS certificate of %s not trusted (set ca_path to the CA that signed it, '
                     'for Proxmox /etc/pve/pve-root-ca.pem): %s' % (url, to_native(exc)))
-        return 'proxmox_gpu: cannot reach the Proxmox VE API at %s: %s' % (url, to_native(exc))
+        if isinstance(exc, requests.exceptions.Timeout):
+            return ('proxmox_gpu: the Proxmox VE API at %s did not answer %s within %s s (option timeout): %s'
+                    % (url, request, self.get_option('timeout'), to_native(exc)))
+        return ('proxmox_gpu: cannot reach the Proxmox VE API at %s (%s; is pveproxy running there? address, port, '
+                'firewall): %s' % (url, request, to_native(exc)))
 
     def _get(self, api, path, **params):
         try:
@@ -230,37 +364,127 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
                                          % (self.get_option('user'), self.get_option('url'), to_native(exc)))
             raise AnsibleParserError('proxmox_gpu: GET %s failed: %s' % (path, to_native(exc)))
         except requests.exceptions.RequestException as exc:
-            raise AnsibleParserError(self._request_error(self.get_option('url'), exc))
+            raise AnsibleParserError(self._request_error(self.get_option('url'), 'GET ' + path, exc))
 
-    def _fetch(self):
-        """One record per running, selected container: what the hosts are built from (and what the cache keeps)."""
+    def _config(self, api, node, vmid):
+        """The container's running config (current=1: pending changes left out); ConfigUnreadable when it fails."""
+        path = 'nodes/%s/lxc/%d/config' % (node, vmid)
+        try:
+            return self._get(api, path, current=1)
+        except AnsibleParserError as exc:
+            if 'authentication failed' in to_native(exc):
+                raise
+            raise ConfigUnreadable(to_native(exc))
+
+    def _selected(self, guest):
+        if guest.get('type') != 'lxc' or guest.get('template'):
+            return False
+        if guest.get('status') not in (self.get_option('statuses') or ['running']):
+            return False
+        wanted = set(self.get_option('tags') or [])
+        if wanted and not wanted.intersection(split_tags(guest.get('tags'))):
+            return False
+        if self.get_option('nodes') and guest.get('node') not in self.get_option('nodes'):
+            return False
+        if self.get_option('pools') and guest.get('pool') not in self.get_option('pools'):
+            return False
+        names = self.get_option('names') or []
+        return not names or any(fnmatch.fnmatchcase(str(guest.get('name') or ''), pat) for pat in names)
+
+    def _warn_empty(self, resources, selected):
+        guests = [g for g in resources if g.get('type') in ('lxc', 'qemu')]
+        who = self.get_option('user')
+        if self.get_option('token_id') and self.get_option('token_secret'):
+            who = '%s!%s' % (who, self.get_option('token_id'))
+        if not guests:
+            self.display.warning(
+                'proxmox_gpu: the Proxmox VE API at %s lists no guests at all to %s. PVE silently leaves out every '
+                'guest the caller may not see: the user or API token likely lacks VM.Audit (a privilege-separated '
+                'token needs its own ACL, for example PVEAuditor on /vms).' % (self.get_option('url'), who))
+        elif not selected:
+            lxc = [g for g in guests if g.get('type') == 'lxc' and not g.get('template')]
+            self.display.warning(
+                'proxmox_gpu: no container selected at %s: %d guests listed, %d LXC containers (%d running); check the '
+                'options statuses, tags, nodes, pools and names.'
+                % (self.get_option('url'), len(guests), len(lxc), len([g for g in lxc if g.get('status') == 'running'])))
+
+    def _fetch(self, cached_configs):
+        """The selected containers (what the hosts are built from) and the configs to cache.
+
+        The guest list and node addresses are read at every run; a cached config is used only for the same
+        vmid, node and name, started at the same time.
+        """
         api = self._connect()
         resources = self._get(api, 'cluster/resources', type='vm') or []
+        now = time.time()
+        selected = sorted((g for g in resources if self._selected(g)), key=lambda g: int(g.get('vmid', 0)))
+        if not selected:
+            self._warn_empty(resources, selected)
+            return [], {}
         status = self._get(api, 'cluster/status') or []
         addresses = {item['name']: item.get('ip') or item['name'] for item in status if item.get('type') == 'node'}
-        wanted = set(self.get_option('tags') or [])
-        found = []
-        for guest in sorted(resources, key=lambda g: int(g.get('vmid', 0))):
-            if guest.get('type') != 'lxc' or guest.get('template') or guest.get('status') != 'running':
-                continue
-            tags = split_tags(guest.get('tags'))
-            if wanted and not wanted.intersection(tags):
-                continue
+        found, configs = [], {}
+        for guest in selected:
             node, vmid = guest['node'], int(guest['vmid'])
-            config = self._get(api, 'nodes/%s/lxc/%d/config' % (node, vmid))
+            identity = {'node': node, 'name': guest.get('name') or '', 'started': started_at(guest, now)}
+            entry = cached_configs.get(str(vmid))
+            if not (entry and self._same_container(entry, identity)):
+                try:
+                    config = self._config(api, node, vmid)
+                except ConfigUnreadable as exc:
+                    self.display.warning('proxmox_gpu: left out CT %d (%s) on %s, its config could not be read: %s'
+                                         % (vmid, guest.get('name') or '?', node, exc))
+                    continue
+                entry = dict(identity, hostname=config.get('hostname') or '', passthrough=gpu_passthrough(config))
+            configs[str(vmid)] = entry
+            usable = [dev for dev in entry['passthrough'] if dev['usable']]
             found.append({'vmid': vmid, 'node': node, 'address': addresses.get(node, node),
-                          'name': guest.get('name') or config.get('hostname') or '', 'status': guest['status'],
-                          'tags': tags, 'gpu_devices': gpu_devices(config)})
-        return found
+                          'name': guest.get('name') or entry['hostname'], 'status': guest['status'],
+                          'tags': split_tags(guest.get('tags')), 'pool': guest.get('pool'),
+                          'gpu_devices': [dev['device'] for dev in usable],
+                          'gpu_container_devices': [dev['path'] for dev in usable],
+                          'gpu_denied_devices': [dev['device'] for dev in entry['passthrough'] if not dev['usable']],
+                          'resource': dict(guest)})
+        if not found:
+            self._warn_empty(resources, found)
+        return found, configs
+
+    @staticmethod
+    def _same_container(entry, identity):
+        if entry.get('node') != identity['node'] or entry.get('name') != identity['name']:
+            return False
+        if entry.get('started') is None or identity['started'] is None:
+            return False  # stopped, or no uptime: read it again
+        return abs(entry['started'] - identity['started']) <= START_TOLERANCE_S
 
     # -- inventory --------------------------------------------------------------------------------
+
+    def _host_name(self, ct):
+        fallback = 'ct%d' % ct['vmid']
+        template = self.get_option('hostname')
+        if not template:
+            name = ct['name']
+            return name if name and name not in self.inventory.hosts else fallback
+        self.templar.available_variables = wrap_var(ct['resource'])
+        try:
+            name = str(self.templar.template(template)).strip()
+        except Exception as exc:  # pylint: disable=broad-except
+            if self.get_option('strict'):
+                raise AnsibleParserError('proxmox_gpu: hostname template failed for CT %d: %s' % (ct['vmid'], to_native(exc)))
+            self.display.warning('proxmox_gpu: hostname template failed for CT %d, named it %s: %s'
+                                 % (ct['vmid'], fallback, to_native(exc)))
+            return fallback
+        if not name or name in self.inventory.hosts:
+            self.display.warning('proxmox_gpu: hostname template gave CT %d the name %r, %s; named it %s'
+                                 % (ct['vmid'], name, 'already taken' if name else 'empty', fallback))
+            return fallback
+        return name
 
     def _populate(self, containers):
         strict = self.get_option('strict')
         gpu_group = self.inventory.add_group('gpu_containers')
         for ct in containers:
-            name = ct['name'] if ct['name'] and ct['name'] not in self.inventory.hosts else 'ct%d' % ct['vmid']
-            host = self.inventory.add_host(name)
+            host = self.inventory.add_host(self._host_name(ct))
             minors = [int(NVIDIA_DEV.match(path).group(1)) for path in ct['gpu_devices']]
             hostvars = {
                 'ansible_connection': 'gpuops.fleet.pct',
@@ -270,8 +494,11 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
                 'proxmox_name': ct['name'],
                 'proxmox_status': ct['status'],
                 'proxmox_tags': ct['tags'],
+                'proxmox_pool': ct['pool'],
                 'proxmox_gpu_devices': ct['gpu_devices'],
                 'proxmox_gpu_minors': minors,
+                'proxmox_gpu_container_devices': ct['gpu_container_devices'],
+                'proxmox_gpu_denied_devices': ct['gpu_denied_devices'],
             }
             hostvars = wrap_var(hostvars)
             for key, value in hostvars.items():
@@ -288,17 +515,16 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         super(InventoryModule, self).parse(inventory, loader, path, cache)
         self._read_config_data(path)
         cache_key = self.get_cache_key(path)
-        user_cache_setting = self.get_option('cache')
-        attempt_to_read_cache = user_cache_setting and cache
-        cache_needs_update = user_cache_setting and not cache
-        containers = None
-        if attempt_to_read_cache:
+        use_cache = self.get_option('cache')
+        cached_configs = {}
+        if use_cache and cache:
             try:
-                containers = self._cache[cache_key]
+                cached = self._cache[cache_key]
             except KeyError:
-                cache_needs_update = True
-        if containers is None:
-            containers = self._fetch()
-        if cache_needs_update:
-            self._cache[cache_key] = containers
+                cached = None
+            if isinstance(cached, dict) and cached.get('format') == CACHE_FORMAT:
+                cached_configs = cached.get('configs') or {}
+        containers, configs = self._fetch(cached_configs)
+        if use_cache:
+            self._cache[cache_key] = {'format': CACHE_FORMAT, 'configs': configs}
         self._populate(containers)

@@ -8,6 +8,7 @@ of AnsibleModule, so it can later run on a Proxmox node against host pids.
 
 from __future__ import annotations
 
+import math
 import os
 import pwd
 import sys
@@ -20,7 +21,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils._redact import compile_patterns, redact_argv
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import HAS_PSUTIL, PSUTIL_IMPORT_ERROR
-from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import resolve_gpus
+from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import describe_gpus, resolve_gpus
 
 # argument_spec shared by gpu_status and gpu_release (documented in doc_fragments/_gpu.py)
 GPU_COMMON_ARGS = dict(
@@ -29,6 +30,7 @@ GPU_COMMON_ARGS = dict(
     nvml_timeout=dict(type="float", default=5.0),
     redact=dict(type="list", elements="str", default=[], no_log=False),
     cmdline=dict(type="bool", default=True),
+    reserved_floor_mib=dict(type="int"),
 )
 
 # Never signalled, whatever holds what (names as in comm, argv[0] or exe).
@@ -45,18 +47,41 @@ def missing_lib_message(package, import_name):
             % (package, import_name, sys.executable or "python3", sys.executable or "python3", package))
 
 
+def check_numbers(module, names, minimum=0.0, strict=False):
+    """Fail the task, naming the option and value, on inf, nan, or a value below (or at, if strict) minimum."""
+    for name in names:
+        value = module.params.get(name)
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            module.fail_json(msg="%s must be a finite number, got %s" % (name, value))
+        if value < minimum or (strict and value == minimum):
+            bound = ("more than %g" % minimum) if strict else ("%g or more" % minimum)
+            module.fail_json(msg="%s must be %s, got %s" % (name, bound, value))
+
+
 def check_common_params(module):
     """Fail the task on a bad GPU_COMMON_ARGS value; returns the compiled redact patterns."""
     params = module.params
+    check_numbers(module, ["nvml_timeout"], strict=True)
+    check_numbers(module, ["reserved_floor_mib"])
     if params["threshold_mib"] < 0:
         module.fail_json(msg="threshold_mib must be 0 or more, got %s" % params["threshold_mib"])
-    if params["nvml_timeout"] <= 0:
-        module.fail_json(msg="nvml_timeout must be more than 0, got %s" % params["nvml_timeout"])
     try:
         patterns = compile_patterns(params["redact"])
     except ValueError as exc:
         module.fail_json(msg=str(exc))
     return patterns
+
+
+def no_gpu_message(engine, targets):
+    """Why there is nothing to look at (no GPU visible, none selected), naming what NVML saw; None when there is."""
+    if not engine.gpus:
+        return ("NVML sees no GPU here (driver %s, nvmlDeviceGetCount returned 0): no GPU is passed into this host or "
+                "container, so no GPU can be reported free" % (engine.driver_version or "unknown"))
+    if not targets:
+        return "no GPU selected; NVML sees %s" % describe_gpus(engine.gpus)
+    return None
 
 
 def check_libraries(module):
@@ -69,7 +94,8 @@ def check_libraries(module):
 
 def engine_from_params(params, patterns):
     """An Engine over a new Nvml, set up from GPU_COMMON_ARGS (not started)."""
-    return Engine(Nvml(timeout=params["nvml_timeout"]), redact_patterns=patterns, with_cmdline=params["cmdline"],
+    nvml = Nvml(timeout=params["nvml_timeout"], reserved_floor_mib=params.get("reserved_floor_mib"))
+    return Engine(nvml, redact_patterns=patterns, with_cmdline=params["cmdline"],
                   threshold_mib=params["threshold_mib"])
 
 
@@ -183,8 +209,8 @@ class Engine(object):
         return set([self.self_pid] + [p for p in procscan.ancestors(self.self_pid, self.proc_root) if p != 1])
 
     def scan(self):
-        """Scan /proc, leaving out this process, its ancestors and its children."""
-        skip = self.own_tree_skip()
+        """Scan /proc, leaving out this process and its children (its ancestors are scanned, never signalled)."""
+        skip = set([self.self_pid])
         result = procscan.scan(self.proc_root, self.devices, skip)
         cache = {}
         for pid in list(result.entries):
@@ -346,7 +372,7 @@ class Engine(object):
             view["procs"] = [dict(p, status=self._nvml_status(p["pid"], records, own_tree)) for p in listed]
         untrusted = sorted(set(p["pid"] for v in views.values() for p in v["procs"] or () if p["status"] == "not_holder"))
         holders = [r for r in records.values() if r["holder"]]
-        clients = [r for r in records.values() if not r["holder"]]
+        clients = [r for r in records.values() if not r["holder"] and r["pid"] not in own_tree]
         for view_index, view in views.items():
             for proc in view["procs"] or ():
                 if proc["pid"] in records:
@@ -358,11 +384,37 @@ class Engine(object):
         residue = pinning.residue(orphans, holders, jobs)
         gpu_reports = [self._gpu_report(index, views[index], holders, clients, orphans, jobs, residue, not untrusted)
                        for index in targets]
-        report = Report(self, targets, gpu_reports, holders, clients, scan)
+        protected = [h for h in holders if h["pid"] in own_tree]
+        for record in protected:
+            record["protected_name"] = record["protected_name"] or "an ancestor of this module"
+        for gpu_report in gpu_reports:
+            gpu_report["protected_holders"] = sorted(h["pid"] for h in protected if gpu_report["index"] in h["gpus"])
+            gpu_report["holders"] = [p for p in gpu_report["holders"] if p not in own_tree]
+        report = Report(self, targets, gpu_reports, [h for h in holders if h["pid"] not in own_tree], clients, scan)
+        report.protected_holders = sorted(protected, key=lambda r: r["pid"])
         report.views, report.orphans, report.jobs, report.residue = views, orphans, jobs, residue
         report.untrusted_pids = untrusted
+        report.unreadable = self.unreadable(scan, gpu_reports)
         report.diagnosis = diagnose(report)
         return report
+
+    def unreadable(self, scan, gpu_reports):
+        """Processes whose /proc reads blocked (`unreadable: blocked`); each GPU they may hold lists them in `blocked`."""
+        found = dict((b["pid"], b) for b in procscan.READER.blocked_in(self.proc_root))
+        found.update((b["pid"], b) for b in scan.blocked)
+        out = []
+        for pid in sorted(found):
+            info = dict((k, v) for k, v in found[pid].items() if k != "starttime")
+            info.setdefault("fd_devices", None)
+            minors = set(self._minor(p, "/") for p in info["fd_devices"] or ())
+            minors.discard(None)
+            # maps unread: it may hold any GPU whose node it has open (every GPU when only nvidiactl or unknown)
+            info["may_hold"] = pid not in scan.entries and (info["fd_devices"] is None or bool(info["fd_devices"]))
+            for gpu_report in gpu_reports:
+                if info["may_hold"] and (not minors or gpu_report["minor"] in minors):
+                    gpu_report.setdefault("blocked", []).append(pid)
+            out.append(info)
+        return out
 
     def _gpu_report(self, index, view, holders, clients, orphans, jobs, residue, trusted):
         gpu = self.gpu(index) or {"index": index}
@@ -386,8 +438,10 @@ class Engine(object):
             return out
         mem = view["memory"]
         out["memory"] = dict((k, mem[k]) for k in ("total_mib", "used_mib", "reserved_mib", "v1_used_mib"))
-        if mem.get("api") == "v1":
-            out["memory"]["note"] = "this driver has no v2 memory info: used is v1 used, floor included"
+        if mem.get("estimated"):
+            out["memory"]["estimated"] = True
+            out["memory"]["note"] = ("estimated: this driver has no v2 memory call; used is v1 used minus "
+                                     "reserved_floor_mib (%d MiB)" % mem["reserved_mib"])
         out["free"] = self.is_free(mem)
         notes = {
             "holder": "holds this GPU here",
@@ -427,10 +481,13 @@ class Report(object):
         self.diagnosis = []
         self.views, self.orphans, self.jobs, self.residue = {}, {}, {}, {}
         self.untrusted_pids = []
+        self.protected_holders = []
+        self.unreadable = []
 
     @property
     def all_free(self):
-        return all(g["free"] for g in self.gpus)
+        """True only when there are GPUs and each is free: no GPU is never "all free"."""
+        return bool(self.gpus) and all(g["free"] for g in self.gpus)
 
     @property
     def errors(self):
@@ -458,6 +515,7 @@ class Report(object):
         return {
             "gpus": self.gpus,
             "holders": [clean(h) for h in self.holders],
+            "protected_holders": [clean(h) for h in self.protected_holders],
             "clients": [clean(c) for c in self.clients],
             "zombies": self.zombies,
             "jobs": [{"id": job["id"], "pids": job["pids"], "gpus": self.job_gpus(job["id"])}
@@ -467,6 +525,7 @@ class Report(object):
             "all_free": self.all_free,
             "driver_version": self.engine.driver_version,
             "in_container": self.engine.in_container,
+            "unreadable": self.unreadable,
             "diagnosis": self.diagnosis,
         }
 
@@ -539,6 +598,10 @@ def diagnose(report):
         if gpu.get("error"):
             lines.append("GPU %s%s: %s; its memory state is unknown, so it is not reported free"
                          % (gpu["index"], " (%s)" % gpu["uuid"] if gpu.get("uuid") else "", gpu["error"]))
+    for gpu in report.gpus:
+        if (gpu.get("memory") or {}).get("estimated"):
+            lines.append("GPU %s: memory estimated, not measured: this driver has no v2 memory call, so used is v1 used "
+                         "minus reserved_floor_mib (%s MiB)" % (gpu["index"], gpu["memory"]["reserved_mib"]))
     for pid in report.untrusted_pids:
         named_on = sorted(i for i, v in report.views.items() for p in v["procs"] or () if p["pid"] == pid)
         lines.append("NVML names pid %d on %s, but pid %d here maps no /dev/nvidia* node: the driver reports host pids "
@@ -568,6 +631,10 @@ def diagnose(report):
                     _pname(record), _devices_text(record["mapped_devices"]))
             lines.append("%s; it is signalled only when every GPU it maps (%s) is targeted"
                          % (why, ", ".join(str(i) for i in record["maps_gpus"]) or "every GPU"))
+    for record in report.protected_holders:
+        if targets & set(record["gpus"] + record["maps_gpus"]):
+            lines.append("%s is an ancestor of this module and holds %s: it is never signalled, and the GPU is not "
+                         "free while it runs" % (_pname(record), _held_text(record) or "a context"))
     for gpu in report.gpus:
         if gpu.get("error") or gpu["free"]:
             continue
@@ -582,7 +649,7 @@ def diagnose(report):
                          % (label, fmt_mib(residue["mib"]), residue["job"], ", ".join(str(p) for p in residue["pids"]),
                             _gpu_list(report.job_gpus(residue["job"]))))
             continue
-        if not orphan or gpu["holders"] or gpu["ambiguous"]:
+        if not orphan or gpu["holders"] or gpu["ambiguous"] or gpu.get("protected_holders"):
             continue
         for dead_pid, mib in orphan["dead"]:
             lines.append("NVML names pid %d on %s with %s, %s; no process visible here maps a context on it%s"
@@ -605,6 +672,15 @@ def diagnose(report):
             lines.append("%s only has %s open and maps none: an NVML client (a monitor or exporter), not a "
                          "holder; it holds no GPU memory and is never signalled"
                          % (_pname(record), _devices_text(record["fd_devices"])))
+    for info in report.unreadable:
+        what = ("its memory maps, so whether it holds a GPU is unknown; GPUs it may hold (%s) are never taken "
+                "for free on its account" % (", ".join(str(g["index"]) for g in report.gpus if info["pid"] in
+                                                       g.get("blocked", ())) or "none targeted")
+                if info["may_hold"] else "its command line")
+        lines.append("pid %d (%s) is unreadable: blocked: reading %s did not finish within %gs (state %s, wchan %s): "
+                     "a thread of it is stuck in the kernel holding its memory-map lock, or others queue behind one "
+                     "that does; not read: %s" % (info["pid"], info["name"], info["path"], info["waited_s"],
+                                                  info["state"], info["wchan"] or "unknown", what))
     if report.scan.unreadable:
         lines.append("%d processes could not be read (%s); a holder among them would not be shown"
                      % (len(report.scan.unreadable), ", ".join(str(p) for p in report.scan.unreadable[:10])))

@@ -2,15 +2,32 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """NVML access under a timeout (private helper, may change any time).
 
-The driver can hang inside a call. Each call runs in a daemon worker thread;
-the caller gives up after `timeout` seconds and the GPU is reported failed.
-A hung worker is abandoned (it dies with the process). After two hangs NVML
-is treated as wedged and later calls fail at once.
+The driver can hang inside a call, in the kernel, where no signal reaches the
+calling thread and where a thread of this process would keep the process (and
+with it Ansible's pipes and the GPU locks) alive after the task gave up. So
+NVML runs in a helper process (this Python running HELPER_SOURCE) that holds
+none of this process's files. A call that does not answer within `timeout`
+seconds gets its helper SIGKILLed and abandoned, and its GPU is reported
+failed; a later call starts a new helper. After two hangs NVML is treated as
+wedged and later calls fail at once.
+
+An injected `lib` (unit tests) runs in a daemon thread of this process instead.
+
+Without the v2 memory call, v1 `used` includes the driver's reserved memory
+(GPU_FACTS row 1), so memory is "unverifiable" unless the caller gives the
+reserved floor to subtract (an estimate, said so in the result).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 try:
     import queue
@@ -18,6 +35,8 @@ except ImportError:  # pragma: no cover
     import Queue as queue  # type: ignore
 
 MIB = 1024 * 1024
+HELPER_START_S = 30.0   # how long a new helper may take to import nvidia-ml-py
+V2_MISSING_CODES = (3, 13, 25)  # not supported, no such function, argument version mismatch
 
 try:
     import pynvml
@@ -37,6 +56,63 @@ _ERROR_TEXT = {
     16: "the GPU needs a reset (NVML_ERROR_RESET_REQUIRED)",
     18: "the NVML library and the kernel driver versions differ (NVML_ERROR_LIB_RM_VERSION_MISMATCH)",
 }
+
+# Runs in the helper: one JSON request per line on stdin, one JSON answer per line on stdout.
+HELPER_SOURCE = r"""
+import json, sys
+if sys.argv[1:] and sys.argv[1]:
+    sys.path.insert(0, sys.argv[1])
+try:
+    import pynvml
+except Exception as exc:
+    sys.stdout.write(json.dumps({"error": "cannot import pynvml: %s" % exc}) + "\n")
+    sys.exit(1)
+handles = {}
+
+
+def arg(value):
+    if isinstance(value, dict) and "handle" in value:
+        return handles[value["handle"]]
+    if isinstance(value, dict) and "const" in value:
+        return getattr(pynvml, value["const"])
+    return value
+
+
+def plain(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if hasattr(value, "_fields_"):
+        return {"__fields__": dict((f[0], plain(getattr(value, f[0]))) for f in value._fields_)}
+    if hasattr(value, "__dict__"):
+        return {"__fields__": dict((k, plain(v)) for k, v in vars(value).items())}
+    return value
+
+
+sys.stdout.write('{"ready": true}\n')
+sys.stdout.flush()
+for line in sys.stdin:
+    request = json.loads(line)
+    name = request["fn"]
+    try:
+        if name == "nvmlDeviceGetHandleByIndex":
+            index = request["args"][0]
+            handles[index] = pynvml.nvmlDeviceGetHandleByIndex(index)
+            answer = {"value": None}
+        elif not hasattr(pynvml, name):
+            answer = {"nvml_error": 13, "text": "Function Not Found"}
+        else:
+            args = [arg(a) for a in request["args"]]
+            kwargs = dict((k, arg(v)) for k, v in request["kwargs"].items())
+            answer = {"value": plain(getattr(pynvml, name)(*args, **kwargs))}
+    except pynvml.NVMLError as exc:
+        answer = {"nvml_error": getattr(exc, "value", None), "text": str(exc)}
+    except Exception as exc:
+        answer = {"error": "%s: %s" % (type(exc).__name__, exc)}
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
+"""
 
 
 class NvmlFailure(Exception):
@@ -80,24 +156,160 @@ class _Worker(threading.Thread):
             done.set()
 
 
-class Nvml(object):
-    """A small NVML session. Every method raises NvmlFailure, never a raw NVMLError."""
+class Handle(object):
+    """A GPU handle in the helper, named by NVML index."""
 
-    def __init__(self, timeout=5.0, lib=None):
+    def __init__(self, index):
+        self.index = index
+
+
+class Const(object):
+    """A pynvml constant, resolved where the call runs."""
+
+    def __init__(self, name):
+        self.name = name
+
+
+class Fields(object):
+    """An NVML struct or friendly object handed back by the helper."""
+
+    def __init__(self, fields):
+        self.__dict__.update(fields)
+
+
+def _from_helper(value):
+    if isinstance(value, list):
+        return [_from_helper(v) for v in value]
+    if isinstance(value, dict) and "__fields__" in value:
+        return Fields(dict((k, _from_helper(v)) for k, v in value["__fields__"].items()))
+    return value
+
+
+def _to_helper(value):
+    if isinstance(value, Handle):
+        return {"handle": value.index}
+    if isinstance(value, Const):
+        return {"const": value.name}
+    return value
+
+
+class HelperGone(Exception):
+    pass
+
+
+class _Helper(object):
+    """One helper process; call() answers or raises HelperGone / returns None on timeout."""
+
+    def __init__(self, module_dir):
+        self.proc = subprocess.Popen([sys.executable or "python3", "-c", HELPER_SOURCE, module_dir or ""],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                     close_fds=True, start_new_session=True)
+        self.buffer = b""
+
+    def read_line(self, timeout):
+        """One line from the helper, None when timeout passed first; raises HelperGone at EOF."""
+        end = time.monotonic() + timeout
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self.buffer:
+            left = end - time.monotonic()
+            if left <= 0:
+                return None
+            ready = select.select([fd], [], [], left)[0]
+            if not ready:
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise HelperGone("the NVML helper process exited (status %s)" % self.proc.poll())
+            self.buffer += chunk
+        line, dummy, self.buffer = self.buffer.partition(b"\n")
+        return json.loads(line.decode("utf-8", "replace"))
+
+    def send(self, request):
+        try:
+            self.proc.stdin.write((json.dumps(request) + "\n").encode())
+            self.proc.stdin.flush()
+        except (OSError, ValueError) as exc:
+            raise HelperGone("the NVML helper process is gone: %s" % exc)
+
+    def kill(self):
+        """SIGKILL, without waiting: a helper stuck in the driver exits only when the call returns."""
+        try:
+            os.kill(self.proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for stream in (self.proc.stdin, self.proc.stdout):
+            try:
+                stream.close()
+            except (OSError, ValueError):
+                pass
+        try:
+            self.proc.wait(0.2)
+        except subprocess.TimeoutExpired:
+            self.proc.returncode = -signal.SIGKILL  # abandoned; init reaps it once the call returns
+
+    def close(self, timeout=2.0):
+        try:
+            self.proc.stdin.close()
+        except (OSError, ValueError):
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        try:
+            self.proc.stdout.close()
+        except (OSError, ValueError):
+            pass
+
+
+class Nvml(object):
+    """A small NVML session. Every method raises NvmlFailure, never a raw NVMLError.
+
+    reserved_floor_mib: without the v2 memory call, subtract this from v1 used (an estimate);
+    None: such memory is unverifiable and the GPU fails.
+    isolate: run NVML in a helper process (default: unless a lib object is injected); a lib given with
+    isolate=True must be a module the helper can import as pynvml from its folder.
+    """
+
+    def __init__(self, timeout=5.0, lib=None, reserved_floor_mib=None, isolate=None):
         self.timeout = float(timeout)
+        self.in_process = (lib is not None) if isolate is None else not isolate
         self.lib = lib if lib is not None else pynvml
+        self.reserved_floor_mib = reserved_floor_mib
         self._worker = None
+        self._helper = None
+        self.helpers_started = 0
         self.hangs = 0
         self.wedged = None       # message once NVML is considered wedged
         self.failed = {}         # index -> NvmlFailure (lost or hung GPU)
         self.handles = {}
         self.initialized = False
-        self.v2_missing = False  # NVML without the v2 memory call: poll v1 only
+        self.v2_missing = False  # NVML without the v2 memory call
 
     # -- plumbing
-    def _call(self, label, fn, *args, **kwargs):
+    def _hung(self, label):
+        self.hangs += 1
+        message = "%s did not return within %gs (NVML hang)" % (label, self.timeout)
+        if self.hangs >= 2:
+            self.wedged = "NVML is hung (%d calls did not return within %gs, last %s)" % (self.hangs, self.timeout, label)
+        return NvmlFailure(message, kind="hang")
+
+    def _call(self, label, name, *args, **kwargs):
         if self.wedged:
             raise NvmlFailure(self.wedged, kind="hang")
+        if self.in_process:
+            return self._call_thread(label, name, args, kwargs)
+        return self._call_helper(label, name, args, kwargs)
+
+    def _call_thread(self, label, name, args, kwargs):
+        fn = getattr(self.lib, name, None)
+        if fn is None:
+            raise NvmlFailure("%s: %s" % (label, _ERROR_TEXT[13]), kind="error", code=13)
+        if name == "nvmlDeviceGetHandleByIndex":
+            args = list(args)
+        else:
+            args = [self.handles[a.index] if isinstance(a, Handle) else a for a in args]
+        kwargs = dict((k, getattr(self.lib, v.name) if isinstance(v, Const) else v) for k, v in kwargs.items())
         if self._worker is None:
             self._worker = _Worker()
             self._worker.start()
@@ -106,25 +318,67 @@ class Nvml(object):
         self._worker.jobs.put((fn, args, kwargs, box, done))
         if not done.wait(self.timeout):
             self._worker = None  # abandoned, blocked in the driver
-            self.hangs += 1
-            message = "%s did not return within %gs (NVML hang)" % (label, self.timeout)
-            if self.hangs >= 2:
-                self.wedged = "NVML is hung (%d calls did not return within %gs, last %s)" % (self.hangs, self.timeout, label)
-            raise NvmlFailure(message, kind="hang")
+            raise self._hung(label)
         if "error" in box:
             exc = box["error"]
-            if self.lib is not None and isinstance(exc, getattr(self.lib, "NVMLError", ())):
-                code, text = describe_nvml_error(exc)
-                kind = {15: "lost", 9: "not_loaded", 12: "library"}.get(code, "error")
-                raise NvmlFailure("%s: %s" % (label, text), kind=kind, code=code)
+            if isinstance(exc, getattr(self.lib, "NVMLError", ())):
+                raise _failure(label, *describe_nvml_error(exc))
             raise exc
         return box.get("value")
 
-    def _gpu_call(self, index, label, fn, *args, **kwargs):
+    def _start_helper(self):
+        module_dir = os.path.dirname(os.path.abspath(self.lib.__file__)) if getattr(self.lib, "__file__", None) else ""
+        helper = _Helper(module_dir)
+        self.helpers_started += 1
+        try:
+            first = helper.read_line(max(HELPER_START_S, self.timeout))
+        except HelperGone as exc:
+            helper.kill()
+            raise NvmlFailure("the NVML helper process could not start: %s" % exc, kind="library")
+        if first is None or not first.get("ready"):
+            helper.kill()
+            why = "it did not start within %gs" % max(HELPER_START_S, self.timeout) if first is None else first.get("error")
+            raise NvmlFailure("the NVML helper process could not start: %s" % why, kind="library")
+        self._helper = helper
+        if self.initialized:
+            # a new helper after a hang: open NVML again before the call
+            self._ask("nvmlInit", "nvmlInit", (), {})
+            for index in sorted(self.handles):
+                if index not in self.failed:
+                    self._ask("nvmlDeviceGetHandleByIndex(%d)" % index, "nvmlDeviceGetHandleByIndex", (index,), {})
+
+    def _call_helper(self, label, name, args, kwargs):
+        if self._helper is None:
+            self._start_helper()
+        return self._ask(label, name, args, kwargs)
+
+    def _ask(self, label, name, args, kwargs):
+        helper = self._helper
+        request = {"fn": name, "args": [_to_helper(a) for a in args],
+                   "kwargs": dict((k, _to_helper(v)) for k, v in kwargs.items())}
+        try:
+            helper.send(request)
+            answer = helper.read_line(self.timeout)
+        except HelperGone as exc:
+            helper.kill()
+            self._helper = None
+            raise NvmlFailure("%s: %s" % (label, exc), kind="error")
+        if answer is None:
+            helper.kill()
+            self._helper = None
+            raise self._hung(label)
+        if "nvml_error" in answer:
+            code = answer["nvml_error"]
+            raise _failure(label, code, _ERROR_TEXT.get(code) or "NVML error %s: %s" % (code, answer.get("text")))
+        if "error" in answer:
+            raise NvmlFailure("%s: %s" % (label, answer["error"]), kind="error")
+        return _from_helper(answer.get("value"))
+
+    def _gpu_call(self, index, label, name, *args, **kwargs):
         if index in self.failed:
             raise self.failed[index]
         try:
-            return self._call(label, fn, *args, **kwargs)
+            return self._call(label, name, *args, **kwargs)
         except NvmlFailure as exc:
             exc.gpu = index
             if exc.kind in ("hang", "lost"):
@@ -135,47 +389,60 @@ class Nvml(object):
     def init(self):
         if self.lib is None:
             raise NvmlFailure("nvidia-ml-py is not installed", kind="library")
-        self._call("nvmlInit", self.lib.nvmlInit)
+        self._call("nvmlInit", "nvmlInit")
         self.initialized = True
 
     def shutdown(self):
-        """Shut NVML down unless a call is stuck in the driver (that would hang too)."""
-        if not self.initialized or self.hangs:
+        """Shut NVML down; a helper stuck in the driver was killed already, a thread is left behind."""
+        if self.in_process:
+            if not self.initialized or self.hangs:
+                return
+            try:
+                self._call("nvmlShutdown", "nvmlShutdown")
+            except Exception:
+                pass
+            self.initialized = False
+            if self._worker is not None:
+                self._worker.jobs.put(None)
+                self._worker = None
             return
-        try:
-            self._call("nvmlShutdown", self.lib.nvmlShutdown)
-        except Exception:
-            pass
+        if self._helper is None:
+            self.initialized = False
+            return
+        if self.initialized and not self.wedged:
+            try:
+                self._call("nvmlShutdown", "nvmlShutdown")
+            except NvmlFailure:
+                pass
         self.initialized = False
-        if self._worker is not None:
-            self._worker.jobs.put(None)
-            self._worker = None
+        if self._helper is not None:
+            self._helper.close()
+            self._helper = None
 
     def driver_version(self):
         try:
-            return _text(self._call("nvmlSystemGetDriverVersion", self.lib.nvmlSystemGetDriverVersion))
+            return _text(self._call("nvmlSystemGetDriverVersion", "nvmlSystemGetDriverVersion"))
         except NvmlFailure:
             return None
 
     def count(self):
-        return int(self._call("nvmlDeviceGetCount", self.lib.nvmlDeviceGetCount))
+        return int(self._call("nvmlDeviceGetCount", "nvmlDeviceGetCount"))
 
     def handle(self, index):
         if index not in self.handles:
-            self.handles[index] = self._gpu_call(index, "nvmlDeviceGetHandleByIndex(%d)" % index,
-                                                 self.lib.nvmlDeviceGetHandleByIndex, index)
-        return self.handles[index]
+            value = self._gpu_call(index, "nvmlDeviceGetHandleByIndex(%d)" % index, "nvmlDeviceGetHandleByIndex", index)
+            self.handles[index] = value if self.in_process else Handle(index)
+        return Handle(index)
 
     def describe(self, index):
         """index, minor, uuid, pci_bus_id, name of one GPU (raises NvmlFailure)."""
-        lib = self.lib
         handle = self.handle(index)
         info = {"index": index}
-        info["minor"] = int(self._gpu_call(index, "nvmlDeviceGetMinorNumber", lib.nvmlDeviceGetMinorNumber, handle))
-        info["uuid"] = _text(self._gpu_call(index, "nvmlDeviceGetUUID", lib.nvmlDeviceGetUUID, handle))
-        pci = self._gpu_call(index, "nvmlDeviceGetPciInfo", lib.nvmlDeviceGetPciInfo, handle)
+        info["minor"] = int(self._gpu_call(index, "nvmlDeviceGetMinorNumber", "nvmlDeviceGetMinorNumber", handle))
+        info["uuid"] = _text(self._gpu_call(index, "nvmlDeviceGetUUID", "nvmlDeviceGetUUID", handle))
+        pci = self._gpu_call(index, "nvmlDeviceGetPciInfo", "nvmlDeviceGetPciInfo", handle)
         info["pci_bus_id"] = _text(getattr(pci, "busId", "")) or None
-        info["name"] = _text(self._gpu_call(index, "nvmlDeviceGetName", lib.nvmlDeviceGetName, handle))
+        info["name"] = _text(self._gpu_call(index, "nvmlDeviceGetName", "nvmlDeviceGetName", handle))
         return info
 
     def list_gpus(self):
@@ -190,37 +457,43 @@ class Nvml(object):
         return gpus
 
     def memory(self, index):
-        """MiB: total, used (v2, without reserved), reserved, v1_used. v2 falls back to v1 if absent."""
-        lib = self.lib
+        """MiB: total, used (without the reserved floor), reserved, v1_used, api (v2 or v1_estimated).
+
+        Without the v2 call, used is v1 used minus reserved_floor_mib (estimated: True); with no floor
+        given, NvmlFailure(kind="unverifiable"): v1 used never reads as free (GPU_FACTS row 1).
+        """
         handle = self.handle(index)
-        v1 = self._gpu_call(index, "nvmlDeviceGetMemoryInfo", lib.nvmlDeviceGetMemoryInfo, handle)
-        out = {"total_mib": v1.total // MIB, "v1_used_mib": v1.used // MIB,
-               "used_mib": v1.used // MIB, "reserved_mib": None, "api": "v1"}
-        if self.v2_missing:
-            return out
-        try:
-            v2 = self._gpu_call(index, "nvmlDeviceGetMemoryInfo_v2", lib.nvmlDeviceGetMemoryInfo,
-                                handle, version=lib.nvmlMemory_v2)
-        except NvmlFailure as exc:
-            if exc.kind in ("hang", "lost"):
-                raise
-            # Not supported or no such function: this NVML has no v2 call, so stop asking.
-            self.v2_missing = exc.code in (3, 13)
-            return out
-        out.update(used_mib=v2.used // MIB, reserved_mib=v2.reserved // MIB, api="v2")
+        v1 = self._gpu_call(index, "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", handle)
+        out = {"total_mib": v1.total // MIB, "v1_used_mib": v1.used // MIB, "used_mib": None,
+               "reserved_mib": None, "api": "v2", "estimated": False}
+        if not self.v2_missing:
+            try:
+                v2 = self._gpu_call(index, "nvmlDeviceGetMemoryInfo_v2", "nvmlDeviceGetMemoryInfo",
+                                    handle, version=Const("nvmlMemory_v2"))
+            except NvmlFailure as exc:
+                if exc.kind in ("hang", "lost") or exc.code not in V2_MISSING_CODES:
+                    raise
+                self.v2_missing = True  # this NVML has no v2 call: stop asking
+            else:
+                out.update(used_mib=v2.used // MIB, reserved_mib=v2.reserved // MIB)
+                return out
+        if self.reserved_floor_mib is None:
+            raise NvmlFailure(
+                "memory unverifiable on this driver: NVML has no v2 memory call (nvmlDeviceGetMemoryInfo_v2), and "
+                "v1 used (%d MiB) includes the driver's reserved memory, so it never reads as free; set "
+                "reserved_floor_mib to this GPU model's idle v1 used to estimate it" % out["v1_used_mib"],
+                kind="unverifiable", gpu=index)
+        out.update(used_mib=max(0, out["v1_used_mib"] - self.reserved_floor_mib),
+                   reserved_mib=self.reserved_floor_mib, api="v1_estimated", estimated=True)
         return out
 
     def processes(self, index):
         """Compute and graphics processes NVML names for one GPU: [{pid, used_mib}], one per pid."""
-        lib = self.lib
         handle = self.handle(index)
         found = {}
         for label in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-            fn = getattr(lib, label, None)
-            if fn is None:
-                continue
             try:
-                procs = self._gpu_call(index, label, fn, handle)
+                procs = self._gpu_call(index, label, label, handle)
             except NvmlFailure as exc:
                 if exc.kind in ("hang", "lost") or label.startswith("nvmlDeviceGetCompute"):
                     raise
@@ -232,6 +505,11 @@ class Nvml(object):
                 if mib is not None:
                     entry["used_mib"] = (entry["used_mib"] or 0) + mib
         return [found[pid] for pid in sorted(found)]
+
+
+def _failure(label, code, text):
+    kind = {15: "lost", 9: "not_loaded", 12: "library"}.get(code, "error")
+    return NvmlFailure("%s: %s" % (label, text), kind=kind, code=code)
 
 
 def _text(value):

@@ -11,8 +11,14 @@ from __future__ import annotations
 import errno
 import os
 import re
+import select
+import signal
 import stat as stat_mod
+import struct
+import subprocess
+import sys
 import threading
+import time
 
 _GONE = (errno.ENOENT, errno.ESRCH)
 DELETED = " (deleted)"
@@ -20,8 +26,48 @@ NVIDIA_MAJOR = 195       # /dev/nvidiaN is 195:N; 254 is nvidia-modeset, 255 nvi
 SOCKET_PREFIX = "socket:["
 
 
-def read_bytes(path):
-    """Read a whole (proc) file; raise OSError like open() does."""
+READ_TIMEOUT_S = 3.0
+# Reads that take the target's memory-map lock (maps, and cmdline/environ through its memory): a process stuck in
+# the kernel can hold that lock, or make readers queue behind it, forever, and no signal ends the read.
+MM_LOCK_READ_RE = re.compile(r"/(\d+)/(?:task/\d+/)?(?:maps|cmdline|environ)$")
+_HEADER = struct.Struct("<iI")  # errno (0: read), length of the data that follows
+
+# Runs in the reader process: a path per line on stdin, a header and the data (or the errno) on stdout.
+READER_SOURCE = r"""
+import os, struct, sys
+header = struct.Struct("<iI")
+out = sys.stdout.buffer
+for line in sys.stdin.buffer:
+    path = line.rstrip(b"\n")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            chunks = []
+            while True:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        data = b"".join(chunks)
+        out.write(header.pack(0, len(data)) + data)
+    except OSError as exc:
+        out.write(header.pack(exc.errno or 5, 0))
+    out.flush()
+"""
+
+
+class ReadBlocked(OSError):
+    """A read of /proc/PID/... did not finish within the bounded wait: the process is `unreadable: blocked`."""
+
+    def __init__(self, path, pid):
+        OSError.__init__(self, errno.ETIMEDOUT, "reading %s blocked" % path)
+        self.path = path
+        self.pid = pid
+
+
+def _direct_read(path):
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         chunks = []
@@ -33,6 +79,131 @@ def read_bytes(path):
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+class BoundedReader(object):
+    """Reads files that may block in the kernel in a helper process, waiting at most `timeout` per process.
+
+    The helper holds none of this process's files (not Ansible's pipes, not the GPU locks). When a read
+    does not answer in time the helper is SIGKILLed and abandoned (it dies once the read returns), the pid
+    is recorded in `blocked` with its state and wchan, and later reads of that pid fail at once.
+    """
+
+    def __init__(self, timeout=READ_TIMEOUT_S):
+        self.timeout = timeout
+        self.blocked = {}        # (proc_root, pid) -> {pid, starttime, path, reason, state, wchan, blocked_threads}
+        self._proc = None
+        self._lock = threading.Lock()
+        self.started = 0
+
+    def _start(self):
+        self._proc = subprocess.Popen([sys.executable or "python3", "-S", "-c", READER_SOURCE],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      close_fds=True, start_new_session=True)
+        self.started += 1
+
+    def _abandon(self):
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        try:
+            os.kill(proc.pid, signal.SIGKILL)
+        except OSError:
+            pass
+        for stream in (proc.stdin, proc.stdout):
+            try:
+                stream.close()
+            except (OSError, ValueError):
+                pass
+        try:
+            proc.wait(0.2)
+        except subprocess.TimeoutExpired:
+            proc.returncode = -signal.SIGKILL  # stuck in the kernel; init reaps it once the read returns
+
+    def close(self):
+        with self._lock:
+            self._abandon()
+
+    def _exactly(self, count, end):
+        fd = self._proc.stdout.fileno()
+        data = b""
+        while len(data) < count:
+            left = end - time.monotonic()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, min(count - len(data), 1 << 20))
+            if not chunk:
+                raise OSError(errno.EIO, "the /proc reader process exited")
+            data += chunk
+        return data
+
+    def read(self, path):
+        found = MM_LOCK_READ_RE.search(path)
+        key = (path[:found.start()], int(found.group(1))) if found else None
+        if key in self.blocked:
+            raise ReadBlocked(path, key[1])
+        with self._lock:
+            if self._proc is None:
+                self._start()
+            try:
+                self._proc.stdin.write(path.encode() + b"\n")
+                self._proc.stdin.flush()
+                end = time.monotonic() + self.timeout
+                head = self._exactly(_HEADER.size, end)
+                if head is not None:
+                    code, length = _HEADER.unpack(head)
+                    data = self._exactly(length, end) if length else b""
+                    if data is not None:
+                        if code:
+                            raise OSError(code, os.strerror(code), path)
+                        return data
+            except (OSError, ValueError) as exc:
+                if isinstance(exc, OSError) and exc.filename == path:
+                    raise
+                self._abandon()
+                return _direct_read(path)
+            self._abandon()
+        if key is not None:
+            self.blocked[key] = blocked_info(key[1], key[0], path, self.timeout)
+        raise ReadBlocked(path, key[1] if key else None)
+
+    def blocked_in(self, proc_root):
+        """Blocked processes under proc_root that still exist (same start time), by pid."""
+        out = []
+        for (root, pid), info in sorted(self.blocked.items()):
+            if root == proc_root.rstrip("/"):
+                stat = read_stat(pid, proc_root)
+                if stat is not None and stat["starttime"] == info["starttime"]:
+                    out.append(info)
+        return out
+
+
+READER = BoundedReader()
+
+
+def blocked_info(pid, proc_root, path, timeout):
+    """What a process whose read blocked is doing: its state, wchan and D-state threads (these reads never block)."""
+    stat = read_stat(pid, proc_root)
+    wchan = None
+    try:
+        wchan = _direct_read("%s/%d/wchan" % (proc_root, pid)).decode("utf-8", "replace").strip() or None
+    except OSError:
+        pass
+    counts, blocked = thread_details(pid, proc_root)
+    return {"pid": pid, "name": stat["comm"] if stat else None, "starttime": stat["starttime"] if stat else None,
+            "reason": "blocked", "path": path, "waited_s": timeout, "state": stat["state"] if stat else None,
+            "wchan": wchan, "thread_states": counts, "blocked_threads": blocked}
+
+
+def read_bytes(path):
+    """Read a whole (proc) file; raise OSError like open() does.
+
+    Files that take the target's memory-map lock are read by READER, at most READ_TIMEOUT_S per process;
+    ReadBlocked (an OSError) when that wait ran out.
+    """
+    if MM_LOCK_READ_RE.search(path):
+        return READER.read(path)
+    return _direct_read(path)
 
 
 def read_text(path):
@@ -224,6 +395,7 @@ class ScanResult(object):
         self.entries = {}        # pid -> ProcEntry (holders and clients)
         self.zombies = []        # dicts: pid, ppid, comm (one-thread zombies)
         self.unreadable = []     # pids whose tables could not be read
+        self.blocked = []        # blocked_info() of those whose maps read did not finish in time, with fd_devices
         self.scanned = 0
 
 
@@ -302,9 +474,11 @@ def scan(proc_root="/proc", devices=None, skip_pids=(), workers=None):
         result.entries.update(part.entries)
         result.zombies.extend(part.zombies)
         result.unreadable.extend(part.unreadable)
+        result.blocked.extend(part.blocked)
         result.scanned += part.scanned
     result.zombies.sort(key=lambda z: z["pid"])
     result.unreadable.sort()
+    result.blocked.sort(key=lambda b: b["pid"])
     return result
 
 
@@ -314,13 +488,20 @@ def _scan_pids(proc_root, devices, pids, result):
         name = str(pid)
         result.scanned += 1
         base = "%s/%s" % (proc_root, name)
+        # identity: the start time read before the tables, and checked again after them
+        try:
+            stat = parse_stat(read_text(base + "/stat"))
+        except (OSError, ValueError, IndexError):
+            continue
         try:
             maps = read_bytes(base + "/maps")
+        except ReadBlocked:
+            _add_blocked(result, proc_root, devices, pid, base + "/fd")
+            continue
         except OSError as exc:
             if exc.errno in _GONE:
                 continue
             maps = None
-        stat = None
         table_base = base
         table_tid = pid
         defunct = False
@@ -342,6 +523,9 @@ def _scan_pids(proc_root, devices, pids, result):
                 table_base = "%s/task/%d" % (base, tid)
                 try:
                     maps = read_bytes(table_base + "/maps")
+                except ReadBlocked:
+                    _add_blocked(result, proc_root, devices, pid, table_base + "/fd")
+                    continue
                 except OSError:
                     maps = None
             elif maps is None:
@@ -362,11 +546,8 @@ def _scan_pids(proc_root, devices, pids, result):
         fds, sockets = fd_read
         if not mapped and not fds:
             continue
-        if stat is None:
-            try:
-                stat = parse_stat(read_text(base + "/stat"))
-            except (OSError, ValueError, IndexError):
-                continue
+        if not same_process(pid, stat["starttime"], proc_root):
+            continue  # gone, or the pid was reused while its tables were read
         entry = ProcEntry(pid, stat)
         entry.fd_devices = fds
         entry.map_devices = mapped
@@ -379,6 +560,18 @@ def _scan_pids(proc_root, devices, pids, result):
         else:
             entry.via = ([u"fd"] if fds else []) + ([u"mmap"] if mapped else [])
         result.entries[pid] = entry
+
+
+def _add_blocked(result, proc_root, devices, pid, fd_dir):
+    """A process whose maps could not be read in time: unreadable, blocked, with the device nodes it has open."""
+    info = dict(READER.blocked.get((proc_root.rstrip("/"), pid)) or blocked_info(pid, proc_root, fd_dir, READER.timeout))
+    try:
+        fd_read = _read_fd_devices(fd_dir, devices)
+    except OSError:
+        fd_read = None
+    info["fd_devices"] = fd_read[0] if fd_read else None
+    result.blocked.append(info)
+    result.unreadable.append(pid)
 
 
 def read_stat(pid, proc_root="/proc"):

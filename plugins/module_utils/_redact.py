@@ -8,14 +8,19 @@ import re
 
 MASK = "********"
 
-# Option names whose value is a secret: `--token X`, `--api-key=X`.
+# Option names whose value is a secret: `--token X`, `--api-key=X`, `--hf-token X`, `--pass X`.
 _SECRET_WORD = r"(?:api[-_]?key|access[-_]?key|token|auth[-_]?token|password|passwd|secret|client[-_]?secret)"
-_FLAG_ALONE = re.compile(r"--?[\w-]*" + _SECRET_WORD, re.IGNORECASE)
+_FLAG_ALONE = re.compile(r"--?[\w-]*" + _SECRET_WORD + r"|--?pass|bearer", re.IGNORECASE)
+# Each default masks its `secret` group only.
 _DEFAULT_INLINE = (
-    # --token=X, --api-key=X, and `--token X` inside one argument (sh -c "...")
-    re.compile(r"(--?[\w-]*" + _SECRET_WORD + r"(?:=|\s+))(\S+)", re.IGNORECASE),
+    # --token=X, --api-key=X, --pass=X, and `--token X` inside one argument (sh -c "...")
+    re.compile(r"(?:--?[\w-]*" + _SECRET_WORD + r"|--?pass\b)(?:=|\s+)(?P<secret>\S+)", re.IGNORECASE),
     # token=X, HF_TOKEN=X, password=X, client_secret=X, api_key=X
-    re.compile(r"((?:^|(?<=[\s;&,?]))[\w.-]*" + _SECRET_WORD + r"=)([^\s&;,]+)", re.IGNORECASE),
+    re.compile(r"(?:^|(?<=[\s;&,?]))[\w.-]*" + _SECRET_WORD + r"=(?P<secret>[^\s&;,]+)", re.IGNORECASE),
+    # scheme://user:password@host
+    re.compile(r"\b[a-z][\w+.-]*://[^:/\s@]+:(?P<secret>[^@\s/]+)@", re.IGNORECASE),
+    # Authorization: Bearer X, Authorization: Basic X, Bearer X
+    re.compile(r"(?:\bauthorization:\s*(?:\w+\s+)?|\bbearer\s+)(?P<secret>[^\s\"']+)", re.IGNORECASE),
 )
 
 
@@ -30,23 +35,34 @@ def compile_patterns(patterns):
     return compiled
 
 
+def _mask_group(match, group):
+    start, end = match.span(group)
+    if start < 0:  # an optional group that did not take part: mask the whole match
+        return MASK
+    whole_start = match.start(0)
+    text = match.group(0)
+    return text[:start - whole_start] + MASK + text[end - whole_start:]
+
+
+def _mask_default(match):
+    return _mask_group(match, "secret")
+
+
 def _mask_match(match):
-    if match.re.groups >= 2:
-        return match.group(1) + MASK
+    """A user pattern: with exactly one group only the group is masked, else the whole match."""
     if match.re.groups == 1:
-        start, end = match.span(1)
-        whole_start = match.start(0)
-        text = match.group(0)
-        return text[:start - whole_start] + MASK + text[end - whole_start:]
+        return _mask_group(match, 1)
     return MASK
 
 
 def redact_argv(argv, extra=()):
     """Return the command line as one string with secrets replaced by MASK.
 
-    Default patterns cover `--api-key X`, `--token X`, `token=`, `*_TOKEN=`,
-    `password=` and `secret=`. Each extra (compiled) pattern is applied to the
-    joined line: with one group only the group is masked, else the whole match.
+    Default patterns cover `--api-key X`, `--token X`, `--hf-token X`, `--pass X`,
+    `--passwd X`, `token=`, `*_TOKEN=`, `password=`, `secret=`,
+    `scheme://user:password@host` and `Authorization: Bearer X`. Each extra
+    (compiled) pattern is applied to the joined line: with one group only the
+    group is masked, else the whole match.
     """
     args = list(argv)
     for i, arg in enumerate(args):
@@ -56,7 +72,7 @@ def redact_argv(argv, extra=()):
     for arg in args:
         if arg != MASK:
             for pattern in _DEFAULT_INLINE:
-                arg = pattern.sub(_mask_match, arg)
+                arg = pattern.sub(_mask_default, arg)
         masked.append(arg)
     line = " ".join(masked)
     for pattern in extra:

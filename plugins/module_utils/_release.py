@@ -13,6 +13,7 @@ import fcntl
 import os
 import re
 import signal
+import stat as stat_mod
 import subprocess
 import time
 
@@ -229,15 +230,16 @@ def alive(record, proc_root="/proc"):
     return not (stat["state"] in ("Z", "X") and stat["num_threads"] <= 1)
 
 
-def send_guarded(record, sig, proc_root="/proc"):
-    """Send sig to the process of record unless its pid now names another process.
+def send_guarded(record, sig, proc_root="/proc", use_pidfd=True):
+    """Send sig to the process of record unless its pid now names another process; return the outcome.
 
     A pidfd pins the process; its start time is then checked, so the signal
-    cannot reach a reused pid. Without pidfd, psutil's create-time check guards it.
+    cannot reach a reused pid. Without pidfd (Python < 3.9, or use_pidfd=False),
+    psutil's create-time check guards it. Never raises: a refusal is an outcome.
     """
     pid = record["pid"]
     pidfd = None
-    pidfd_open = getattr(os, "pidfd_open", None)
+    pidfd_open = getattr(os, "pidfd_open", None) if use_pidfd else None
     if pidfd_open is not None and hasattr(signal, "pidfd_send_signal"):
         try:
             pidfd = pidfd_open(pid)
@@ -265,6 +267,10 @@ def send_guarded(record, sig, proc_root="/proc"):
                 proc.send_signal(sig)
             except psutil.NoSuchProcess:
                 return "gone"
+            except psutil.AccessDenied as exc:
+                return "error: access denied (%s)" % exc
+            except psutil.Error as exc:
+                return "error: %s" % exc
             return "sent"
         os.kill(pid, sig)
         return "sent"
@@ -277,10 +283,38 @@ def send_guarded(record, sig, proc_root="/proc"):
             os.close(pidfd)
 
 
+LOCK_DIR = "/run/lock/gpuops-fleet"
+
+
+class LockDirError(Exception):
+    """The lock directory cannot be trusted (wrong owner or mode, a symlink, not a directory)."""
+
+
+def secure_lock_dir(path):
+    """Create path root-owned 0700 if missing; raise LockDirError if it is not exactly that (never follows a link)."""
+    parent = os.path.dirname(path.rstrip("/")) or "/"
+    if not os.path.isdir(parent):
+        os.makedirs(parent, 0o755)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    st = os.lstat(path)
+    if stat_mod.S_ISLNK(st.st_mode) or not stat_mod.S_ISDIR(st.st_mode):
+        raise LockDirError("refusing the lock directory %s: it is %s, not a directory; remove it"
+                           % (path, "a symbolic link" if stat_mod.S_ISLNK(st.st_mode) else "not a directory"))
+    if st.st_uid != os.geteuid():
+        raise LockDirError("refusing the lock directory %s: it belongs to uid %d, not to uid %d that runs this module"
+                           % (path, st.st_uid, os.geteuid()))
+    if st.st_mode & 0o077:
+        raise LockDirError("refusing the lock directory %s: its mode is %04o, it must be 0700"
+                           % (path, stat_mod.S_IMODE(st.st_mode)))
+
+
 class GpuLocks(object):
     """Per-GPU flock files under lock_dir, taken in a fixed order (by UUID)."""
 
-    def __init__(self, lock_dir="/run/lock"):
+    def __init__(self, lock_dir=LOCK_DIR):
         self.lock_dir = lock_dir
         self.fds = []
         self.waited_s = 0.0
@@ -288,13 +322,21 @@ class GpuLocks(object):
     def path(self, key):
         return os.path.join(self.lock_dir, "gpuops-fleet-gpu-%s.lock" % re.sub(r"[^A-Za-z0-9_.-]", "_", str(key)))
 
+    def _open(self, key):
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        try:
+            return os.open(self.path(key), flags, 0o600)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise LockDirError("refusing the lock file %s: it is a symbolic link" % self.path(key))
+            raise
+
     def acquire(self, keys, timeout, clock=time.monotonic):
-        if not os.path.isdir(self.lock_dir):
-            os.makedirs(self.lock_dir, 0o755)
+        secure_lock_dir(self.lock_dir)
         start = clock()
         end = start + timeout
         for key in sorted(set(keys)):
-            fd = os.open(self.path(key), os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
+            fd = self._open(key)
             self.fds.append(fd)
             while True:
                 try:
@@ -334,9 +376,9 @@ def gpu_summary(report):
 class Releaser(object):
     """Runs the ladder for the targeted GPU indexes of an Engine."""
 
-    def __init__(self, engine, targets, term_timeout=10.0, kill_timeout=10.0, verify_timeout=30.0,
+    def __init__(self, engine, targets, term_timeout=10.0, kill_timeout=10.0, verify_timeout=30.0, reset_timeout=120.0,
                  gpu_reset=False, lock_timeout=60.0, match=None, protect=None, deadline=None,
-                 log=None, check_mode=False, lock_dir="/run/lock", nvidia_smi=None, poll_s=POLL_S,
+                 log=None, check_mode=False, lock_dir=LOCK_DIR, nvidia_smi=None, poll_s=POLL_S,
                  collateral="refuse", collateral_tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB):
         self.engine = engine
         self.collateral = collateral
@@ -345,6 +387,7 @@ class Releaser(object):
         self.term_timeout = term_timeout
         self.kill_timeout = kill_timeout
         self.verify_timeout = verify_timeout
+        self.reset_timeout = reset_timeout
         self.gpu_reset = gpu_reset
         self.lock_timeout = lock_timeout
         self.match = match
@@ -602,7 +645,7 @@ class Releaser(object):
             return
         if self.gpu_reset:
             self._reset()
-            self._verify_wait(self.verify_timeout, [])
+            self._verify_wait(self.reset_timeout, [])
 
     def _verify_wait(self, seconds, watched, grace_s=GRACE_S):
         """Poll until free; stop grace_s after no watched process is left."""
@@ -633,6 +676,8 @@ class Releaser(object):
             # anything with a context that could be on this GPU blocks its reset
             blockers = [h for h in report.holders if gpu["index"] in h["gpus"] + h["ambiguous_gpus"]
                         or (h["unattributed"] and (not h["maps_gpus"] or gpu["index"] in h["maps_gpus"]))]
+            blockers += [dict(b, blocked_threads=[{"wchan": "%s (unreadable: blocked)" % (b.get("wchan") or "?")}])
+                         for b in report.unreadable if b["pid"] in gpu.get("blocked", ())]
             if blockers:
                 names = ", ".join("pid %d (%s%s)" % (b["pid"], b["name"],
                                                      ", D state in %s" % b["blocked_threads"][0].get("wchan")
@@ -644,7 +689,7 @@ class Releaser(object):
                 continue
             cmd = [smi, "--gpu-reset", "-i", str(gpu["index"])]
             left = self._left()
-            timeout = max(1.0, min(self.verify_timeout, left if left is not None else self.verify_timeout))
+            timeout = max(1.0, min(self.reset_timeout, left if left is not None else self.reset_timeout))
             env = dict(os.environ, LC_ALL="C")
             try:
                 proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, env=env,
@@ -697,6 +742,15 @@ def remaining_of(report):
     return out
 
 
+def backstop_result(progress):
+    """changed, actions, plan and rung of an interrupted release (the hard stop), from release()'s progress."""
+    releaser = (progress or {}).get("releaser")
+    if releaser is None:
+        return {"changed": False, "actions": [], "plan": [], "rung_reached": "none"}
+    return {"changed": releaser.changed, "actions": list(releaser.actions), "plan": list(releaser.plan),
+            "rung_reached": releaser.rung}
+
+
 def collateral_of(engine, releaser, before, measure_after):
     """Untargeted GPUs that the plan frees as a side effect, with their used MiB before and (after a run) after."""
     indexes = set(s["index"] for entry in releaser.plan for s in entry["side_effect_gpus"])
@@ -709,18 +763,25 @@ def collateral_of(engine, releaser, before, measure_after):
     return out
 
 
-def release(engine, targets, options, check_mode=False, log=None, lock_dir="/run/lock", deadline=None):
-    """Run gpu_release on an started Engine. Returns (failed, msg, result)."""
+def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_DIR, deadline=None, progress=None):
+    """Run gpu_release on a started Engine. Returns (failed, msg, result).
+
+    progress (a dict) gets "releaser" at once, so that a caller interrupted by a hard stop can still report
+    what was signalled (backstop_result).
+    """
     started = time.monotonic()
     opts = dict(options)
     releaser = Releaser(engine, targets, term_timeout=opts.get("term_timeout", 10.0),
                         kill_timeout=opts.get("kill_timeout", 10.0), verify_timeout=opts.get("verify_timeout", 30.0),
+                        reset_timeout=opts.get("reset_timeout", 120.0),
                         gpu_reset=opts.get("gpu_reset", False), lock_timeout=opts.get("lock_timeout", 60.0),
                         match=opts.get("match"), protect=opts.get("protect"), deadline=deadline, log=log,
                         check_mode=check_mode, lock_dir=lock_dir, nvidia_smi=opts.get("nvidia_smi"),
                         collateral=opts.get("collateral", "refuse"),
                         collateral_tolerance_mib=opts.get("collateral_tolerance_mib", pinning.DEFAULT_TOLERANCE_MIB))
-    result = {"changed": False, "actions": releaser.actions, "rung_reached": "none", "plan": [],
+    if progress is not None:
+        progress["releaser"] = releaser
+    result = {"changed": False, "actions": releaser.actions, "rung_reached": "none", "plan": [], "lock_wait_s": 0.0,
               "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
               "collateral": [], "jobs": []}
 
@@ -745,6 +806,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir="/run
         result["elapsed_s"] = round(time.monotonic() - started, 3)
         return failed, msg, result
 
+    if not targets:
+        return True, "no GPU targeted, nothing was signalled", dict(result, elapsed_s=round(time.monotonic() - started, 3))
     gpu_keys = [(engine.gpu(i) or {}).get("uuid") or "index-%d" % i for i in targets]
     locks = GpuLocks(lock_dir)
     if not check_mode:
@@ -753,8 +816,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir="/run
             wait = max(0.0, min(wait, deadline - time.monotonic()))
         try:
             locks.acquire(gpu_keys, wait)
-        except LockTimeout as exc:
-            return True, str(exc), dict(result, elapsed_s=round(time.monotonic() - started, 3))
+        except (LockTimeout, LockDirError) as exc:
+            return True, "%s; nothing was signalled" % exc, dict(result, elapsed_s=round(time.monotonic() - started, 3))
+        result["lock_wait_s"] = round(locks.waited_s, 3)
     try:
         before = engine.snapshot(targets)
         broken = before.errors

@@ -93,9 +93,17 @@ options:
         C(/usr/local/sbin), C(/usr/local/bin), C(/usr/local/nvidia/bin), C(/usr/sbin), C(/usr/bin), C(/sbin), C(/bin).
     type: bool
     default: false
+  reset_timeout:
+    description:
+      - Seconds the reset itself (C(nvidia-smi --gpu-reset)) may take, and then how long to wait for the GPU to read
+        free; its own budget, never cut short by O(verify_timeout). Bounded by O(timeout). 0 or more.
+    type: float
+    default: 120
   lock_timeout:
     description:
-      - Seconds to wait for the per-GPU lock (a file lock in C(/run/lock)) that serialises two releases of the same
+      - Seconds to wait for the per-GPU lock (a file lock in C(/run/lock/gpuops-fleet), created root-owned with mode
+        0700; the task fails before any signal if that directory has another owner or mode, or is a symbolic link)
+        that serialises two releases of the same
         GPU. The second release waits, then re-reads the state (usually finding the GPU free), or fails clearly.
       - 0 or more.
     type: float
@@ -279,6 +287,11 @@ not_signalled:
   type: list
   elements: dict
   sample: [{"pid": 640, "name": "python3", "reason": "does not match `match` (train)"}]
+lock_wait_s:
+  description: Seconds spent waiting for the per-GPU locks (another release of the same GPU held them).
+  returned: always
+  type: float
+  sample: 0.0
 respawned:
   description: The new holder and its parent when a respawn was detected; null otherwise.
   returned: always
@@ -293,10 +306,10 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
-    GPU_COMMON_ARGS, check_common_params, check_libraries, engine_from_params,
+    GPU_COMMON_ARGS, check_common_params, check_libraries, check_numbers, engine_from_params, no_gpu_message,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import ReleaseTimeout, release
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import ReleaseTimeout, backstop_result, release
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import (
     Protect, SelectorError, compile_regex,
 )
@@ -317,6 +330,7 @@ def main():
         kill_timeout=dict(type="float", default=10.0),
         verify_timeout=dict(type="float", default=30.0),
         gpu_reset=dict(type="bool", default=False),
+        reset_timeout=dict(type="float", default=120.0),
         lock_timeout=dict(type="float", default=60.0),
         timeout=dict(type="float", default=180.0),
         collateral=dict(type="str", default="refuse", choices=["refuse", "stop"]),
@@ -327,13 +341,9 @@ def main():
     params = module.params
 
     # bad input fails before NVML is even opened
-    for name in ("term_timeout", "kill_timeout", "verify_timeout", "lock_timeout"):
-        if params[name] < 0:
-            module.fail_json(msg="%s must be 0 or more, got %s" % (name, params[name]))
-    if params["timeout"] <= 0:
-        module.fail_json(msg="timeout must be more than 0, got %s" % params["timeout"])
-    if params["collateral_tolerance_mib"] < 0:
-        module.fail_json(msg="collateral_tolerance_mib must be 0 or more, got %s" % params["collateral_tolerance_mib"])
+    check_numbers(module, ["term_timeout", "kill_timeout", "verify_timeout", "lock_timeout", "reset_timeout",
+                           "collateral_tolerance_mib"])
+    check_numbers(module, ["timeout"], strict=True)
     patterns = check_common_params(module)
     try:
         match = compile_regex(params["match"], "match") if params["match"] is not None else None
@@ -348,6 +358,7 @@ def main():
 
     engine = engine_from_params(params, patterns)
     nvml = engine.nvml
+    progress = {}
     try:
         try:
             engine.start()
@@ -358,19 +369,24 @@ def main():
             targets = engine.select(params["gpus"])
         except SelectorError as exc:
             module.fail_json(msg=str(exc), changed=False)
-        names = ("term_timeout", "kill_timeout", "verify_timeout", "gpu_reset", "lock_timeout", "timeout",
+        no_gpu = no_gpu_message(engine, targets)
+        if no_gpu:
+            module.fail_json(msg=no_gpu + "; nothing was signalled", changed=False)
+        names = ("term_timeout", "kill_timeout", "verify_timeout", "gpu_reset", "reset_timeout", "lock_timeout", "timeout",
                  "collateral", "collateral_tolerance_mib")
         options = dict((k, params[k]) for k in names)
         options.update(match=match, protect=protect)
         failed, msg, result = release(engine, targets, options, check_mode=module.check_mode, log=module.log,
-                                      deadline=deadline)
+                                      deadline=deadline, progress=progress)
     except ReleaseTimeout as exc:
         signal.setitimer(signal.ITIMER_REAL, 0)
         module.fail_json(msg="%s (timeout %ss); the state is unknown, run gpuops.fleet.gpu_status"
-                         % (exc, params["timeout"]), elapsed_s=round(time.monotonic() - started, 3))
+                         % (exc, params["timeout"]), elapsed_s=round(time.monotonic() - started, 3),
+                         **backstop_result(progress))
     except Exception as exc:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        module.fail_json(msg="gpu_release failed: %s" % exc, exception=traceback.format_exc())
+        module.fail_json(msg="gpu_release failed: %s" % exc, exception=traceback.format_exc(),
+                         **backstop_result(progress))
     signal.setitimer(signal.ITIMER_REAL, 0)
     nvml.shutdown()
     if failed:

@@ -118,7 +118,10 @@ gpus:
       type: str
       sample: NVIDIA H200
     memory:
-      description: Memory in MiB; C(used) is NVML v2 C(used) (reserved floor left out), C(v1_used_mib) includes the floor.
+      description:
+        - Memory in MiB; C(used) is NVML v2 C(used) (reserved floor left out), C(v1_used_mib) includes the floor.
+        - On a driver without the v2 call the GPU fails as "memory unverifiable on this driver", unless
+          O(reserved_floor_mib) is given; then C(used) is v1 C(used) minus that floor and C(estimated) is true.
       type: dict
       sample: {"total_mib": 143771, "used_mib": 10240, "reserved_mib": 615, "v1_used_mib": 10855}
     free:
@@ -150,6 +153,16 @@ gpus:
       description: False when NVML named a live pid here that maps no device node (legacy host pids, or a reused pid).
       type: bool
       sample: true
+    protected_holders:
+      description: Pids of the module's own ancestors pinned to this GPU; they count in C(free) and are never signalled.
+      type: list
+      elements: int
+      sample: []
+    blocked:
+      description: Pids whose C(/proc) reads blocked (see RV(unreadable)) and that may hold this GPU; it is never taken for free on their account.
+      type: list
+      elements: int
+      sample: []
     clients:
       description: Pids of NVML clients that have this GPU's device node open but map nothing.
       type: list
@@ -347,6 +360,22 @@ holders:
       description: Command line with secrets masked; null when O(cmdline=false).
       type: str
       sample: python3 serve.py --api-key ********
+protected_holders:
+  description: Ancestors of the module that hold a GPU (same fields as RV(holders)); never signalled, never left out of the verdict.
+  returned: success
+  type: list
+  elements: dict
+  sample: []
+unreadable:
+  description:
+    - Processes whose C(/proc/PID/maps) or C(cmdline) read did not finish within a bounded wait (a thread stuck in the
+      kernel holds, or queues behind, their memory-map lock), with C(reason) C(blocked), C(path), C(state),
+      C(wchan), C(waited_s), the device files they have open and C(may_hold).
+  returned: success
+  type: list
+  elements: dict
+  sample: [{"pid": 812, "name": "python3", "reason": "blocked", "path": "/proc/812/cmdline", "state": "D",
+            "wchan": "fuse_wait_answer", "waited_s": 3.0, "fd_devices": ["/dev/nvidia0"], "may_hold": false}]
 clients:
   description: Processes that have C(/dev/nvidia*) files open but map none (NVML clients such as monitors); same fields as RO(holders).
   returned: success
@@ -391,7 +420,7 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
-    GPU_COMMON_ARGS, check_common_params, check_libraries, engine_from_params,
+    GPU_COMMON_ARGS, check_common_params, check_libraries, engine_from_params, no_gpu_message,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
@@ -409,6 +438,10 @@ def start_engine(module, patterns):
     except SelectorError as exc:
         engine.nvml.shutdown()
         module.fail_json(msg=str(exc))
+    no_gpu = no_gpu_message(engine, targets)
+    if no_gpu:
+        engine.nvml.shutdown()
+        module.fail_json(msg=no_gpu, all_free=False)
     return engine, targets
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 import warnings
 
@@ -427,3 +428,238 @@ def test_lab_pct_shape_is_what_the_plugin_expects(lab):
     assert result.returncode == 255
     assert textwrap.dedent(result.stderr).strip() == \
         "Configuration file 'nodes/%s/lxc/999.conf' does not exist" % lab.node_name
+
+
+# -- issue 12: hardening ---------------------------------------------------------------------------------
+
+def fresh_cp_dir(lab):
+    return tempfile.mkdtemp(dir=lab.workdir)
+
+
+def lab_status(lab):
+    return json.loads(subprocess.run([LABCTL, 'status'], env=lab.env, capture_output=True, text=True, timeout=60,
+                                     check=False).stdout)
+
+
+def sshd_sessions(sshd_pid):
+    """The per-connection sshd processes under the node's listening sshd."""
+    with open('/proc/%d/task/%d/children' % (sshd_pid, sshd_pid)) as f:
+        return [int(pid) for pid in f.read().split()]
+
+
+def run_play_bounded(lab, tasks, limit, **kwargs):
+    """run_play, but a play that hangs is killed (with its ssh processes) after `limit` seconds."""
+    out_dir = tempfile.mkdtemp(dir=lab.workdir)
+    play = [{'name': 'bounded', 'hosts': kwargs.get('hosts', 'ct101'), 'gather_facts': False,
+             'vars': {'out_dir': out_dir, 'ansible_remote_tmp': '/tmp/.ansible/tmp', 'ansible_system_tmpdirs': ['/tmp']},
+             'tasks': tasks}]
+    play_path = os.path.join(out_dir, 'play.yml')
+    with open(play_path, 'w') as f:
+        yaml.safe_dump(play, f, allow_unicode=True)
+    env = dict(os.environ, ANSIBLE_SSH_CONTROL_PATH_DIR=kwargs.get('cp_dir') or fresh_cp_dir(lab), ANSIBLE_NOCOLOR='1',
+               ANSIBLE_RETRY_FILES_ENABLED='0', ANSIBLE_LOCAL_TEMP=os.path.join(out_dir, 'tmp'),
+               PATH=VENV_BIN + os.pathsep + os.environ.get('PATH', ''))
+    env.pop('ANSIBLE_CONFIG', None)
+    proc = subprocess.Popen([PLAYBOOK, '-i', lab.inventory, play_path], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, cwd=out_dir, start_new_session=True)
+    try:
+        out = proc.communicate(timeout=limit)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        out = proc.communicate()[0]
+        return None, out
+    return proc.returncode, out
+
+
+def test_b1_fetch_onto_a_full_disk_fails_fast_and_leaves_nothing(lab):
+    """E 'a full disk on fetch': ssh is stopped, the partial file removed, an older copy kept, one clear error."""
+    full = tempfile.mkdtemp(dir=lab.workdir)
+    subprocess.run(['mount', '-t', 'tmpfs', '-o', 'size=2m', 'b12-full', full], check=True)
+    try:
+        with open(os.path.join(full, 'big.bin'), 'wb') as f:
+            f.write(b'older copy')
+        tasks = [{'ansible.builtin.command': 'dd if=/dev/urandom of=/tmp/b12-big.bin bs=1M count=20',
+                  'changed_when': False},
+                 {'ansible.builtin.fetch': {'src': '/tmp/b12-big.bin', 'dest': full + '/', 'flat': True}}]
+        start = time.monotonic()
+        rc, out = run_play_bounded(lab, tasks, limit=120)
+        assert rc is not None, 'fetch onto a full disk hung for 120 s:\n' + out[-2000:]
+        assert time.monotonic() - start < 120
+        assert rc != 0
+        assert 'No space left on device' in out, out
+        assert os.listdir(full) == ['big.bin']
+        with open(os.path.join(full, 'big.bin'), 'rb') as f:
+            assert f.read() == b'older copy'
+    finally:
+        subprocess.run(['umount', '-l', full], check=False)
+        plugin_connection(lab).exec_command('rm -f /tmp/b12-big.bin', sudoable=False)
+
+
+def test_b2_pct_error_with_errno_exit_code_is_recognised(lab):
+    """E 'a vmid on another node': Perl's die exits with errno (2 for the missing config), not 255."""
+    wrapper = os.path.join(lab.workdir, 'pct-errno')
+    with open(wrapper, 'w') as f:
+        f.write('#!/bin/sh\n/usr/sbin/pct "$@" 2>/tmp/b12-pct-err.$$; rc=$?\ncat /tmp/b12-pct-err.$$ >&2\n'
+                'grep -q "does not exist" /tmp/b12-pct-err.$$ && rc=2\nrm -f /tmp/b12-pct-err.$$\nexit $rc\n')
+    os.chmod(wrapper, 0o755)
+    rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], hosts='ct201',
+                              extra_vars={'ansible_host': lab.nodes['pve1'], 'pct_executable': wrapper})
+    assert rc != 0
+    assert_one_clear_line(out, 'ct201', 'container 201 is not on node pve1 (%s)' % lab.nodes['pve1'])
+
+
+@pytest.mark.parametrize('pipelining', PIPELINING)
+def test_b2_command_failures_are_the_tasks_own(lab, pipelining):
+    """A command that exits 255 or prints ssh/sudo refusals fails its task; the host stays reachable."""
+    tasks = [
+        {'ansible.builtin.shell': "echo 'root@%s: Permission denied (publickey).' >&2; exit 255" % lab.node,
+         'register': 'denied', 'ignore_errors': True},
+        {'ansible.builtin.shell': "echo 'sudo: a password is required' >&2; exit 1", 'register': 'sudo',
+         'ignore_errors': True},
+        {'ansible.builtin.ping': None},
+    ]
+    rc, out, dummy = run_play(lab, tasks, pipelining=pipelining, extra_vars={'pct_node_become': True})
+    assert 'UNREACHABLE' not in out, out
+    assert re.search(r'ct101\s+: ok=3 .*unreachable=0 +failed=0 .*ignored=2', out), out
+    assert rc == 0, out
+
+
+def env_in_container(conn):
+    rc, out, err = conn.exec_command('env', sudoable=False)
+    assert rc == 0, err
+    return dict(line.split('=', 1) for line in out.decode().splitlines() if '=' in line)
+
+
+@pytest.mark.parametrize('method', ['pct', 'lxc-attach'])
+def test_b3_container_environment_is_not_the_node_sessions(lab, method):
+    agent = subprocess.run(['ssh-agent', '-s'], capture_output=True, text=True, check=True).stdout
+    sock = re.search(r'SSH_AUTH_SOCK=([^;]+);', agent).group(1)
+    agent_pid = int(re.search(r'SSH_AGENT_PID=(\d+);', agent).group(1))
+    old_sock = os.environ.get('SSH_AUTH_SOCK')
+    os.environ['SSH_AUTH_SOCK'] = sock
+    try:
+        conn = plugin_connection(lab, pct_exec_method=method, ansible_control_path_dir=fresh_cp_dir(lab),
+                                 ansible_ssh_extra_args='-A')
+        on_node = lab.node_ssh('true')  # the node session does have these
+        assert on_node.returncode == 0
+        env = env_in_container(conn)
+    finally:
+        os.kill(agent_pid, 15)
+        if old_sock is None:
+            os.environ.pop('SSH_AUTH_SOCK', None)
+        else:
+            os.environ['SSH_AUTH_SOCK'] = old_sock
+    leaked = sorted(name for name in env if name.startswith('SSH_') or name in ('LC_ALL', 'LANG', 'MAIL', 'SHELL'))
+    assert leaked == [], env
+    assert env['HOME'] == '/root' and env['USER'] == 'root' and env['LOGNAME'] == 'root', env
+
+
+def test_b3_node_session_has_what_the_container_must_not_get(lab):
+    """Guard for the test above: the node's session does carry SSH_CONNECTION and a forwarded agent."""
+    agent = subprocess.run(['ssh-agent', '-s'], capture_output=True, text=True, check=True).stdout
+    sock = re.search(r'SSH_AUTH_SOCK=([^;]+);', agent).group(1)
+    agent_pid = int(re.search(r'SSH_AGENT_PID=(\d+);', agent).group(1))
+    try:
+        seen = subprocess.run(['ssh', '-A', '-i', lab.key, '-o', 'UserKnownHostsFile=' + lab.known_hosts, '-o',
+                               'BatchMode=yes', '-o', 'ControlPath=none', 'root@' + lab.node, 'env'],
+                              env=dict(os.environ, SSH_AUTH_SOCK=sock), capture_output=True, text=True, timeout=60,
+                              check=False).stdout
+    finally:
+        os.kill(agent_pid, 15)
+    assert 'SSH_CONNECTION=' in seen and 'SSH_AUTH_SOCK=' in seen
+
+
+def test_e_ssh_dropped_mid_task_is_reported_and_not_retried(lab):
+    status = lab_status(lab)
+    sshd_pid = status['nodes'][lab.node_name]['sshd_pid']
+    marker = '/tmp/b12-runs-%d' % os.getpid()
+    conn = plugin_connection(lab, ansible_control_path_dir=fresh_cp_dir(lab), ansible_ssh_retries=2)
+    before = set(sshd_sessions(sshd_pid))
+    outcome = {}
+
+    def run():
+        try:
+            outcome['result'] = conn.exec_command('echo run >> %s; sleep 20' % marker, sudoable=False)
+        except AnsibleConnectionFailure as ex:
+            outcome['error'] = ex
+
+    worker = threading.Thread(target=run, daemon=True)
+    start = time.monotonic()
+    worker.start()
+    probe = plugin_connection(lab, ansible_control_path_dir=fresh_cp_dir(lab))
+    for dummy in range(100):
+        if probe.exec_command('cat %s 2>/dev/null' % marker, sudoable=False)[1]:
+            break
+        time.sleep(0.1)
+    ours = set(sshd_sessions(sshd_pid)) - before
+    probe.close()
+    ours = [pid for pid in ours if pid in sshd_sessions(sshd_pid)]
+    assert ours
+    for pid in ours:
+        os.kill(pid, 9)
+    worker.join(40)
+    elapsed = time.monotonic() - start
+    time.sleep(1)
+    runs = probe.exec_command('cat %s; rm -f %s' % (marker, marker), sudoable=False)[1].decode().split()
+    assert 'error' in outcome, outcome
+    message = str(outcome['error'])
+    assert 'dropped while the command ran in container 101' in message and 'not retried' in message, message
+    assert runs == ['run'], runs
+    assert elapsed < 15
+
+
+def test_e_node_sshd_down(lab):
+    status = lab_status(lab)
+    node = status['nodes']['pve2']
+    os.kill(node['sshd_pid'], 15)
+    try:
+        for dummy in range(50):
+            if lab_status(lab)['nodes']['pve2'].get('sshd_alive') is False:
+                break
+            time.sleep(0.1)
+        rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], hosts='ct201', cp_dir=fresh_cp_dir(lab))
+        assert rc != 0
+        assert_one_clear_line(out, 'ct201', 'SSH to node root@%s failed: Connection refused (is sshd running on the node?)'
+                              % lab.nodes['pve2'])
+    finally:
+        subprocess.run([LABCTL, 'up', '--nodes', '2', '--containers', '2', '--gpus', '1'], env=lab.env, check=True,
+                       stdout=subprocess.DEVNULL, timeout=300)
+
+
+def test_e_container_stopped_while_a_command_runs(lab):
+    conn = plugin_connection(lab, pct_vmid=102, ansible_control_path_dir=fresh_cp_dir(lab))
+    outcome = {}
+
+    def run():
+        try:
+            outcome['result'] = conn.exec_command('sleep 30', sudoable=False)
+        except AnsibleConnectionFailure as ex:
+            outcome['error'] = ex
+
+    worker = threading.Thread(target=run, daemon=True)
+    worker.start()
+    time.sleep(2)
+    try:
+        stopped = lab.node_ssh('pct stop 102')
+        assert stopped.returncode == 0, stopped.stderr
+        worker.join(30)
+        assert not worker.is_alive()
+        assert 'error' in outcome, outcome
+        assert "container '102' stopped while the task ran" in str(outcome['error'])
+    finally:
+        lab.node_ssh('pct start 102')
+
+
+def test_e_container_stopped_mid_play(lab):
+    stop = {'name': 'Stop the container between tasks', 'delegate_to': 'localhost',
+            'ansible.builtin.command': {'argv': ['ssh', '-i', lab.key, '-o', 'UserKnownHostsFile=' + lab.known_hosts,
+                                                 '-o', 'BatchMode=yes', '-o', 'ControlPath=none',
+                                                 'root@' + lab.node, 'pct stop 102']}}
+    try:
+        rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}, stop, {'ansible.builtin.ping': None}],
+                                  hosts='ct102')
+        assert rc != 0
+        assert 'ok: [ct102]' in out
+        assert_one_clear_line(out, 'ct102', "container '102' not running!")
+    finally:
+        lab.node_ssh('pct start 102')

@@ -5,6 +5,7 @@ and the host's /proc, not only against what the module says.
 """
 import os
 import signal
+import time
 
 import pytest
 
@@ -155,6 +156,9 @@ def test_two_releases_of_one_gpu_do_not_both_signal(clean):
     acting = [p for p in plays if p["actions"]]
     assert len(acting) == 1 and sorted(p["changed"] for p in plays) == [False, True]
     assert [a["signal"] for a in acting[0]["actions"]] == ["SIGTERM", "SIGKILL"]
+    # the other one waited for the lock while the first climbed the ladder (SIGTERM alone takes 1.5 s)
+    waiting = [p for p in plays if not p["actions"]][0]
+    assert waiting["lock_wait_s"] >= 1.0 and acting[0]["lock_wait_s"] < 1.0, plays
 
 
 def test_layout_release_by_uuid(clean):
@@ -170,6 +174,10 @@ def test_layout_release_by_uuid(clean):
 @pytest.mark.parametrize("args, words", [
     ({"gpus": [9]}, ["GPU '9' not found; GPUs here: 0 (minor 4"]),
     ({"term_timeout": -1}, ["term_timeout must be 0 or more, got -1"]),
+    ({"kill_timeout": "inf"}, ["kill_timeout must be a finite number, got inf"]),
+    ({"verify_timeout": "nan"}, ["verify_timeout must be a finite number, got nan"]),
+    ({"nvml_timeout": "nan"}, ["nvml_timeout must be a finite number, got nan"]),
+    ({"timeout": "inf"}, ["timeout must be a finite number, got inf"]),
     ({"match": "[unclosed"}, ["match: regular expression '[unclosed' does not compile"]),
 ])
 def test_bad_input_fails_before_any_signal(clean, args, words):
@@ -210,3 +218,82 @@ def test_release_under_async(clean):
     play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[1]), task_extra={"async": 60, "poll": 1})
     assert not play.failed, play
     assert play["changed"] is True and lab.used(1) == 0 and not host_alive(run["holders"][0])
+
+
+PID_REUSE = r'''
+import os, signal, sys, tempfile, time
+root = tempfile.mkdtemp()
+os.makedirs(os.path.join(root, "ansible_collections", "gpuops"))
+os.symlink(sys.argv[1], os.path.join(root, "ansible_collections", "gpuops", "fleet"))
+sys.path.insert(0, root)
+from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import send_guarded
+first = os.fork()
+if first == 0:
+    time.sleep(60)
+    os._exit(0)
+record = {"pid": first, "name": "sleeper", "starttime_ticks": procscan.read_stat(first)["starttime"],
+          "create_time": None}
+os.kill(first, signal.SIGKILL)
+os.waitpid(first, 0)
+time.sleep(0.05)  # a later start time
+with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+    f.write(str(first - 1))
+second = os.fork()
+if second == 0:
+    time.sleep(60)
+    os._exit(0)
+outcome = send_guarded(record, signal.SIGKILL)
+alive = os.waitpid(second, os.WNOHANG) == (0, 0)
+print("%d %d %s|%s" % (first, second, alive, outcome))
+os.kill(second, signal.SIGKILL)
+'''
+
+
+def test_a_really_reused_pid_is_never_signalled(clean):
+    """ns_last_pid in the container's PID namespace hands a dead process's pid to a new one."""
+    from _enginelab import REPO
+    lab = clean
+    proc = lab.exec(101, os.path.join(REPO, ".lab", "venv", "bin", "python"), "-c", PID_REUSE, REPO)
+    assert proc.returncode == 0, proc.stdout
+    numbers, outcome = proc.stdout.strip().splitlines()[-1].split("|")
+    first, second, alive = numbers.split()
+    assert first == second, "the kernel did not hand out the same pid: %s" % proc.stdout
+    assert alive == "True" and outcome == "not sent: pid %s was reused by another process" % first
+
+
+def test_respawn_by_a_parent_loop_is_detected(clean):
+    """A shell loop restarts the holder as soon as it dies: the task fails naming the loop, not 'verified free'."""
+    from _enginelab import REPO
+    lab = clean
+    python = os.path.join(REPO, ".lab", "venv", "bin", "python")
+    workload = os.path.join(REPO, "tests", "lab", "workloads", "workload.py")
+    loop = ("while :; do %s %s plain --minors 3 --mib 256 --foreground; sleep 0.1; done # gpuops-respawn-loop"
+            % (python, workload))
+    started = lab.exec(101, "sh", "-c", "setsid sh -c '%s' </dev/null >/dev/null 2>&1 &" % loop)
+    assert started.returncode == 0, started.stdout
+    try:
+        deadline = time.monotonic() + 20
+        while lab.used(3) != 256 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert lab.used(3) == 256
+        play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[3]))
+        assert play.failed and play["changed"] is True, play
+        assert play["msg"].startswith("respawned by pid %d (sh): stop the service first" % play["respawned"]["parent_pid"])
+        assert signalled_pids(play) and play["respawned"]["pid"] not in signalled_pids(play)
+    finally:
+        lab.exec(101, "pkill", "-9", "-f", "gpuops-respawn-loop")
+        lab.exec(101, "pkill", "-9", "-f", "workload.py plain --minors 3 ")
+
+
+def test_two_containers_sharing_a_gpu_release_only_their_own(clean):
+    """ct101 index 4 and ct102 index 0 are both minor 4: each sees only its own holder."""
+    lab = clean
+    mine = lab.run("plain", 101, [4], mib=512)
+    theirs = lab.run("plain", 102, [0], mib=768)
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[4]))
+    assert play.failed, play
+    assert signalled_pids(play) == set(mine["container_holders"])
+    assert not host_alive(mine["holders"][0]) and host_alive(theirs["holders"][0])
+    assert lab.used(4) == 768
+    assert "768 MiB is used by no process visible here; look from the node" in play["msg"]

@@ -48,9 +48,20 @@ def gpu(play, index):
     return [g for g in play["gpus"] if g["index"] == index][0]
 
 
-def test_status_is_read_only_and_matches_driver_truth(scene):
+def scene_pids(scene):
+    """Every live host pid the scene's workloads started (the killed fork parent and the zombie aside)."""
+    dead = set([scene["fork"]["roles"]["parent"], scene["zombie"]["roles"]["zombie"]])
+    return sorted(set(p for key, run in scene.items() if isinstance(run, dict) and "host_pids" in run
+                      for p in run["host_pids"] + list(run["roles"].values()) if p and p not in dead))
+
+
+def test_status_is_read_only_and_matches_driver_truth(lab, scene):
     play = scene["ct101"]
     assert play.failed is False and play["changed"] is False, play
+    assert [p for p in scene_pids(scene) if not host_alive(p)] == []
+    now = lab.truth()
+    assert [(m, g["used_mib"], g["nvml_pids"]) for m, g in sorted(now.items())] == \
+        [(m, g["used_mib"], g["nvml_pids"]) for m, g in sorted(scene["truth"].items())]
     assert play["in_container"] is True and play["driver_version"]
     for entry in play["gpus"]:
         truth = scene["truth"][entry["minor"]]
@@ -139,8 +150,8 @@ def test_monitor_is_a_client_and_bystander_is_nothing(scene):
     assert client["mapped_devices"] == [] and "/dev/nvidiactl" in client["fd_devices"]
     assert monitor in gpu(play, 0)["clients"]
     assert bystander not in [p["pid"] for p in play["holders"] + play["clients"]]
-    # the module's own NVML client (its process tree) is never listed
-    assert not [c for c in play["clients"] if c["cmdline"] and ("AnsiballZ" in c["cmdline"] or "ansible" in c["cmdline"])]
+    # the whole list: the module's own NVML client (it has the device files open) is never in it
+    assert [c["pid"] for c in play["clients"]] == [monitor]
 
 
 def test_layout_minors_4_to_7_are_indexes_0_to_3(scene):
@@ -174,9 +185,13 @@ def test_bad_selector_names_value_and_lists_gpus(lab, scene):
     assert "3 (minor 7," in msg and "\n" not in msg
 
 
-def test_check_mode_is_supported(lab, scene):
+def test_check_mode_reports_the_same_and_changes_nothing(lab, scene):
     play = lab.play("ct102", "gpu_status", {"gpus": [3]}, check_mode=True)
     assert not play.failed and play["changed"] is False and len(play["gpus"]) == 1
+    pid = scene["ct102"]["container_holders"][0]
+    assert play["gpus"][0]["holders"] == [pid] and play["gpus"][0]["memory"]["used_mib"] == 4096
+    assert [h["pid"] for h in play["holders"]] == [pid] and holder(play, pid)["gpus"] == [3]
+    assert host_alive(scene["ct102"]["holders"][0]) and lab.used(7) == 4096
 
 
 def test_missing_libraries_give_one_line(lab):

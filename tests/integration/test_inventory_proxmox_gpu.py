@@ -4,6 +4,7 @@ Real ansible-inventory and ansible through gpuops.fleet.pct; start, stop and mig
 lab and the inventory follows. Runs as root. One lab of its own (LAB_ID), always torn down.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -20,7 +21,7 @@ import yaml
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
-LAB_ID = "invapi%04x" % (os.getpid() & 0xFFFF)
+LAB_ID = os.environ.get("INVAPI_LAB_ID") or "invapi%04x" % (os.getpid() & 0xFFFF)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the lab needs root")
 
@@ -207,9 +208,20 @@ def test_ticket_login_tag_filter_and_explicit_enable(lab, tmp_path):
 
 
 def test_file_name_must_match(lab, tmp_path):
+    """Declined by verify_file for its name alone: the same content under a good name parses."""
+    enabled = {"ANSIBLE_INVENTORY_ENABLED": "gpuops.fleet.proxmox_gpu"}
+    good = variant(lab, tmp_path, name="good.proxmox_gpu.yml")
+    assert "ct101" in inventory(good, **enabled)["_meta"]["hostvars"]
     path = variant(lab, tmp_path, name="lab.yml")
-    proc = inventory(path, check=False, ANSIBLE_INVENTORY_ENABLED="gpuops.fleet.proxmox_gpu")
-    assert proc.returncode != 0 and "proxmox_gpu" not in proc.stdout
+    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-inventory"), "-vvv", "-i", path, "--list"], cwd=REPO,
+                          env=ansible_env(**enabled), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=120, check=False)
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode != 0
+    assert "proxmox_gpu: skipping %s, its name does not end with proxmox_gpu.yml or proxmox_gpu.yaml" % path in out, out
+    assert "declined parsing %s as it did not pass its verify_file() method" % path in out, out
+    assert "Unable to parse %s as an inventory source" % path in out, out
+    assert "Traceback" not in out and "with gpuops.fleet.proxmox_gpu plugin" not in out, out
 
 
 def test_bad_password_is_a_clear_error(lab, tmp_path):
@@ -279,6 +291,171 @@ def test_migrated_container_is_found_on_its_new_node(lab, tmp_path):
     assert ct["proxmox_node"] == "pve1" and ct["ansible_host"] == lab["nodes"]["pve1"]["address"]
     proc = run_ansible(lab["api_inventory"], "ct101", "-m", "ansible.builtin.ping")
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def one_line(text):
+    return " ".join(text.split())
+
+
+def conf_path(lab, node, vmid):
+    return os.path.join(lab["state"], "nodes", node, "lxc", "%s.conf" % vmid)
+
+
+@contextlib.contextmanager
+def edited_conf(lab, node, vmid, lines):
+    """Lines appended to a container's config (as pct set or an editor would), restored after."""
+    path = conf_path(lab, node, vmid)
+    with open(path) as f:
+        original = f.read()
+    try:
+        with open(path, "a") as f:
+            f.write("\n".join(lines) + "\n")
+        yield
+    finally:
+        with open(path, "w") as f:
+            f.write(original)
+
+
+@contextlib.contextmanager
+def api_file(lab, name, data):
+    """A file the lab API reads at each request (faults.json, pools.json), removed after."""
+    path = os.path.join(lab["state"], "api", name)
+    with open(path, "w") as f:
+        json.dump(data, f)
+    try:
+        yield
+    finally:
+        os.unlink(path)
+
+
+def listed_hosts(proc):
+    assert proc.returncode == 0, proc.stderr
+    return plain(json.loads(proc.stdout))["_meta"]["hostvars"]
+
+
+def test_one_failing_config_leaves_only_that_container_out(lab):
+    """The inventory's partial failure: a 5xx on one container's config (it is migrating) skips it, with a warning."""
+    fault = {"path": "^/nodes/pve2/lxc/202/config", "status": 500,
+             "message": "Configuration file 'nodes/pve2/lxc/202.conf' does not exist"}
+    with api_file(lab, "faults.json", [fault]):
+        proc = inventory(lab["api_inventory"], check=False)
+    assert sorted(listed_hosts(proc)) == ["ct101", "ct102", "ct201"]
+    assert "left out CT 202 (ct202) on pve2, its config could not be read" in one_line(proc.stderr), proc.stderr
+    assert "202.conf' does not exist" in proc.stderr
+
+
+def test_one_config_timing_out_leaves_only_that_container_out(lab, tmp_path):
+    with api_file(lab, "faults.json", [{"path": "^/nodes/pve1/lxc/102/config", "delay": 4}]):
+        started = time.monotonic()
+        proc = inventory(variant(lab, tmp_path, timeout=1), check=False)
+        took = time.monotonic() - started
+    assert sorted(listed_hosts(proc)) == ["ct101", "ct201", "ct202"]
+    assert "left out CT 102 (ct102) on pve1" in one_line(proc.stderr), proc.stderr
+    assert "did not answer GET nodes/pve1/lxc/102/config within 1 s (option timeout)" in one_line(proc.stderr)
+    assert took < 30
+
+
+def test_api_down_is_named(lab, tmp_path):
+    """Nothing listens on pve2's port 8006: the inventory fails and says it could not reach the API."""
+    url = "https://%s:8006" % lab["nodes"]["pve2"]["address"]
+    proc = inventory(variant(lab, tmp_path, url=url), check=False)
+    err = one_line(proc.stderr)
+    assert proc.returncode != 0
+    assert "proxmox_gpu: cannot reach the Proxmox VE API at %s (GET cluster/resources" % url in err, err
+    assert "Connection refused" in err
+
+
+def test_api_5xx_on_the_guest_list_is_named(lab):
+    fault = {"path": "^/cluster/resources", "status": 500, "message": "cfs-lock 'file-user_cfg' error: got lock timeout"}
+    with api_file(lab, "faults.json", [fault]):
+        proc = inventory(lab["api_inventory"], check=False)
+    err = one_line(proc.stderr)
+    assert proc.returncode != 0
+    assert "proxmox_gpu: GET cluster/resources failed: 500 Internal Server Error: cfs-lock 'file-user_cfg' error" in err, err
+
+
+def test_api_timeout_is_named(lab, tmp_path):
+    with api_file(lab, "faults.json", [{"path": "^/cluster/resources", "delay": 5}]):
+        proc = inventory(variant(lab, tmp_path, timeout=1), check=False)
+    err = one_line(proc.stderr)
+    assert proc.returncode != 0
+    assert "did not answer GET cluster/resources within 1 s (option timeout)" in err, err
+
+
+def test_gpus_are_read_from_the_running_config(lab):
+    """current=1 (a pending change is not the running container's), devN options before path=, mount entry source
+    and destination told apart, device rules read."""
+    pending = ["[pve:pending]", "dev0: /dev/nvidia0", "delete: dev1"]
+    with edited_conf(lab, "pve2", "201", pending):
+        code, merged = api_call(lab, "GET", "/nodes/pve2/lxc/201/config", headers=token_header(lab))
+        assert code == 200 and merged["dev0"] == "/dev/nvidia0" and "dev1" not in merged  # as PVE: pending taken in
+        code, current = api_call(lab, "GET", "/nodes/pve2/lxc/201/config?current=1", headers=token_header(lab))
+        assert code == 200 and (current["dev0"], current["dev1"]) == ("/dev/nvidia2", "/dev/nvidia3")
+        extra = ["dev20: mode=0666,path=/dev/nvidia1",
+                 "lxc.mount.entry: /dev/nvidia3 dev/nvidia0 none bind,optional,create=file",
+                 "lxc.mount.entry: /dev/nvidia2 dev/nvidia2 none bind,optional,create=file",
+                 "lxc.cgroup2.devices.deny: c 195:2 rwm"]
+        with edited_conf(lab, "pve1", "102", extra):
+            hv = inventory(lab["api_inventory"])["_meta"]["hostvars"]
+    assert hv["ct201"]["proxmox_gpu_devices"] == ["/dev/nvidia2", "/dev/nvidia3"]
+    assert hv["ct201"]["proxmox_gpu_minors"] == [2, 3]
+    ct = hv["ct102"]
+    assert ct["proxmox_gpu_minors"] == [1, 3] and ct["proxmox_gpu_devices"] == ["/dev/nvidia1", "/dev/nvidia3"]
+    assert ct["proxmox_gpu_container_devices"] == ["/dev/nvidia1", "/dev/nvidia0"]
+    assert ct["proxmox_gpu_denied_devices"] == ["/dev/nvidia2"]
+
+
+def test_filters_stopped_containers_and_hostname_template(lab, tmp_path):
+    headers = token_header(lab)
+    code, upid = api_call(lab, "POST", "/nodes/pve2/lxc/202/status/stop", {}, headers=headers)
+    assert code == 200 and wait_task(lab, "pve2", upid)["exitstatus"] == "OK"
+    try:
+        path = variant(lab, tmp_path, statuses=["running", "stopped"], nodes=["pve2"], hostname="{{ node }}-{{ vmid }}")
+        hv = inventory(path)["_meta"]["hostvars"]
+        assert sorted(hv) == ["pve2-201", "pve2-202"]
+        assert hv["pve2-202"]["proxmox_status"] == "stopped" and hv["pve2-202"]["proxmox_gpu_minors"] == [0, 1, 2, 3]
+        assert hv["pve2-201"]["proxmox_status"] == "running" and hv["pve2-201"]["pct_vmid"] == 201
+        assert sorted(inventory(variant(lab, tmp_path, names=["ct1*"]))["_meta"]["hostvars"]) == ["ct101", "ct102"]
+        with api_file(lab, "pools.json", {"ml": [101, 201, 202], "web": [102]}):
+            hv = inventory(variant(lab, tmp_path, pools=["ml"], statuses=["stopped"]))["_meta"]["hostvars"]
+            assert sorted(hv) == ["ct202"] and hv["ct202"]["proxmox_pool"] == "ml"
+            hv = inventory(variant(lab, tmp_path, pools=["ml"], names=["ct?01"]))["_meta"]["hostvars"]
+            assert sorted(hv) == ["ct101", "ct201"]
+    finally:
+        code, upid = api_call(lab, "POST", "/nodes/pve2/lxc/202/status/start", {}, headers=headers)
+        assert code == 200 and wait_task(lab, "pve2", upid)["exitstatus"] == "OK"
+
+
+def test_token_without_vm_audit_warns(lab, tmp_path):
+    path = variant(lab, tmp_path, token_id="noaudit", token_secret=secret(lab, "token-noaudit"))
+    proc = inventory(path, check=False)
+    assert listed_hosts(proc) == {}
+    err = one_line(proc.stderr)
+    assert "lists no guests at all to root@pam!noaudit" in err and "lacks VM.Audit" in err, err
+
+
+def config_reads(lab):
+    with open(os.path.join(lab["state"], "api", "api.log")) as f:
+        return [line.split('"GET /api2/json/', 1)[1].split()[0] for line in f if '"GET /api2/json/nodes/' in line
+                and "/config" in line]
+
+
+def test_cache_follows_a_migrated_container(lab, tmp_path):
+    path = variant(lab, tmp_path, cache=True, cache_plugin="ansible.builtin.jsonfile",
+                   cache_connection=str(tmp_path / "cache"), cache_timeout=3600)
+    assert inventory(path)["_meta"]["hostvars"]["ct101"]["proxmox_node"] == "pve1"  # fills the cache
+    before = len(config_reads(lab))
+    labctl("migrate", "--vmid", "101", "--to", "pve2")
+    try:
+        hv = inventory(path)["_meta"]["hostvars"]
+        assert hv["ct101"]["proxmox_node"] == "pve2" and hv["ct101"]["ansible_host"] == lab["nodes"]["pve2"]["address"]
+        assert hv["ct201"]["proxmox_gpu_minors"] == [2, 3]
+        # Only the moved container's config was read again; the others came from the cache.
+        assert config_reads(lab)[before:] == ["nodes/pve2/lxc/101/config?current=1"]
+        proc = run_ansible(path, "ct101", "-m", "ansible.builtin.command", "-a", "hostname")
+        assert proc.returncode == 0 and "ct101" in proc.stdout, proc.stdout + proc.stderr
+    finally:
+        labctl("migrate", "--vmid", "101", "--to", "pve1")
 
 
 def test_down_stops_the_api(lab):

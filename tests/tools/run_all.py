@@ -2,6 +2,11 @@
 
 Stages: sanity (ansible-test on a copy of the tracked files), unit (pytest),
 lint (ansible-lint, production profile), integration (pytest against the lab).
+
+A test that did not run never counts as passed: a sanity test whose program is
+missing counts as skipped, and a skipped test fails the run unless
+tests/allowed_skips.txt lists it with a reason. After a full run, every test that
+docs/reliability.md lists must have run and passed.
 """
 import argparse
 import os
@@ -16,6 +21,9 @@ import xml.etree.ElementTree as ET
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
 STAGES = ("sanity", "unit", "lint", "integration")
+ALLOWED_SKIPS = os.path.join(REPO, "tests", "allowed_skips.txt")
+RELIABILITY = os.path.join(REPO, "docs", "reliability.md")
+TEST_ID = re.compile(r"`(tests/[\w/]+\.py::[\w\[\]-]+)`")
 SANITY_SKIPS = (
     # Needs docker or a network to fetch its own tools; nothing here for it to check.
     "--skip-test", "pslint",
@@ -35,12 +43,49 @@ class Tally:
         self.failed = 0
         self.skipped = 0
         self.failures = []
+        self.passed_ids = set()   # "tests/x.py::test_name" of every pytest test that passed
+        self.prefixes = set()     # "tests/x.py::test_name[" of parametrized tests whose every case passed
+        self.failed_prefixes = set()
+        self.times = []           # (stage, seconds)
 
     def add(self, passed, failed, skipped=0, failures=()):
         self.passed += passed
         self.failed += failed
         self.skipped += skipped
         self.failures.extend(failures)
+
+
+def allowed_skips():
+    """{test id: reason} from tests/allowed_skips.txt (`ID  # reason`; a line without a reason does not count)."""
+    out = {}
+    if os.path.exists(ALLOWED_SKIPS):
+        with open(ALLOWED_SKIPS) as handle:
+            for line in handle:
+                test_id, sep, reason = line.partition("#")
+                if test_id.strip() and sep and reason.strip():
+                    out[test_id.strip()] = reason.strip()
+    return out
+
+
+def reliability_tests():
+    """Test ids that docs/reliability.md names, in order."""
+    if not os.path.exists(RELIABILITY):
+        return []
+    with open(RELIABILITY) as handle:
+        return list(dict.fromkeys(TEST_ID.findall(handle.read())))
+
+
+def case_id(case):
+    """tests/x/y.py::test_name[param] from a junit testcase."""
+    classname = case.get("classname") or ""
+    parts = classname.split(".")
+    path = "/".join(parts) + ".py"
+    for cut in range(len(parts), 0, -1):
+        candidate = "/".join(parts[:cut]) + ".py"
+        if os.path.exists(os.path.join(REPO, candidate)):
+            path = candidate
+            break
+    return "%s::%s" % (path, case.get("name"))
 
 
 def banner(text):
@@ -86,14 +131,22 @@ def run_sanity(tally):
                               stderr=subprocess.STDOUT, text=True)
         print(proc.stdout[-20000:], flush=True)
         ran = re.findall(r"Running sanity test [\"']([^\"']+)[\"']", proc.stdout)
+        # a test whose program is missing ran nothing: skipped, never passed
+        not_run = set(re.findall(r"Running sanity test [\"']([^\"']+)[\"']\s*\nWARNING: Required program [\"'][^\"']+[\"'] "
+                                 r"not found", proc.stdout))
+        ran = [t for t in ran if t not in not_run]
         failed = set()
         listing = re.search(r"FATAL: The \d+ sanity test\(s\) listed below.*?\n((?:[\w.-]+\n)+)", proc.stdout)
         if listing:
             failed = set(listing.group(1).split())
         if proc.returncode != 0 and not failed:
             failed = {"sanity"}
+        allowed = allowed_skips()
+        skipped_bad = ["sanity:%s (skipped: its program is missing)" % name for name in sorted(not_run)
+                       if "sanity:" + name not in allowed]
         tally.add(len([t for t in ran if t not in failed]) or (0 if proc.returncode else 1),
-                  len(failed), failures=["sanity:" + name for name in sorted(failed)])
+                  len(failed) + len(skipped_bad), skipped=len(not_run),
+                  failures=["sanity:" + name for name in sorted(failed)] + skipped_bad)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -110,17 +163,27 @@ def run_pytest(tally, name, paths, extra=()):
     proc = subprocess.run(cmd, cwd=REPO, env=env, check=False)
     passed = failed = skipped = 0
     failures = []
+    allowed = allowed_skips()
     if os.path.exists(xml):
         root = ET.parse(xml).getroot()
         for case in root.iter("testcase"):
-            label = "%s::%s" % (case.get("classname"), case.get("name"))
+            label = case_id(case)
+            prefix = label.split("[")[0] + "[" if "[" in label else None
             if case.find("failure") is not None or case.find("error") is not None:
                 failed += 1
                 failures.append(label)
+                tally.failed_prefixes.add(prefix)
             elif case.find("skipped") is not None:
                 skipped += 1
+                tally.failed_prefixes.add(prefix)
+                if label not in allowed:
+                    failed += 1
+                    failures.append("%s (skipped, and not in tests/allowed_skips.txt)" % label)
             else:
                 passed += 1
+                tally.passed_ids.add(label)
+                if prefix:
+                    tally.prefixes.add(prefix)
         os.unlink(xml)
     if proc.returncode not in (0, 5) and failed == 0:
         failed, failures = 1, [name + ": pytest exit %d" % proc.returncode]
@@ -143,6 +206,30 @@ def run_lint(tally):
         tally.add(0, 1, failures=["ansible-lint"])
 
 
+def check_reliability(tally):
+    """Every test docs/reliability.md lists ran in this run and passed (not skipped)."""
+    banner("docs/reliability.md: every listed test ran and passed")
+    tally.prefixes -= tally.failed_prefixes
+    listed = reliability_tests()
+
+    def passed(test_id):
+        # a parametrized test counts when every one of its cases that ran passed, and at least one did
+        return test_id in tally.passed_ids or ("[" not in test_id and test_id + "[" in tally.prefixes)
+    missing = [t for t in listed if not passed(t)]
+    for test_id in missing:
+        print("did not run and pass: " + test_id)
+    print("%d listed, %d ran and passed" % (len(listed), len(listed) - len(missing)), flush=True)
+    tally.add(1 if listed and not missing else 0, 1 if missing or not listed else 0,
+              failures=["docs/reliability.md: %s did not run and pass" % t for t in missing]
+              or ([] if listed else ["docs/reliability.md lists no test"]))
+
+
+def timed(tally, stage, func, *args):
+    started = time.monotonic()
+    func(tally, *args)
+    tally.times.append((stage, time.monotonic() - started))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=STAGES, action="append")
@@ -151,15 +238,19 @@ def main():
     tally = Tally()
     start = time.monotonic()
     if "sanity" in stages:
-        run_sanity(tally)
+        timed(tally, "sanity", run_sanity)
     if "unit" in stages:
-        run_pytest(tally, "unit", ["tests/unit"])
+        timed(tally, "unit", run_pytest, "unit", ["tests/unit"])
     if "lint" in stages:
-        run_lint(tally)
+        timed(tally, "lint", run_lint)
     if "integration" in stages:
-        run_pytest(tally, "integration", ["tests/integration"])
+        timed(tally, "integration", run_pytest, "integration", ["tests/integration"])
+    if set(stages) >= set(("unit", "integration")):
+        check_reliability(tally)
     elapsed = time.monotonic() - start
     banner("summary")
+    for stage, seconds in tally.times:
+        print("time %-12s %6.0f s" % (stage, seconds))
     for label in tally.failures:
         print("FAILED " + label)
     line = "%d passed, %d failed" % (tally.passed, tally.failed)

@@ -29,7 +29,9 @@ RESERVED_MIB = 615
 DRIVER_VERSION = "580.159.04"
 PCI_SLOTS = ["18", "2A", "3A", "5D", "9A", "AB", "BA", "DB"]
 NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2)
-FAULTS = ("none", "lost", "hang")
+# hang: every call on the GPU; hang_memory / hang_procs: the memory / process-list call; no_v2: no v2 memory call
+FAULTS = ("none", "lost", "hang", "hang_memory", "hang_procs", "no_v2")
+INIT_FAULTS = ("none", "not_loaded", "hang")
 MAX_REQUEST = 65536
 FREE_DELAY_S = 0.15  # SIGKILL to memory back, measured 0.12-0.2 s (lab.json free_delay_s)
 RESIDUE_MIB = 291  # what linked peers keep on a dead rank's GPU (GPU_FACTS row 19)
@@ -173,6 +175,34 @@ def proc_identity(pid):
 
 def still_alive(identity):
     return proc_identity(identity[0]) == list(identity)
+
+
+def freezer_mount():
+    """The cgroup v1 freezer hierarchy's mount point, or None."""
+    for line in read_text("/proc/self/mountinfo").splitlines():
+        left, _sep, right = line.partition(" - ")
+        fields, tail = left.split(), right.split()
+        if len(tail) >= 3 and tail[0] == "cgroup" and "freezer" in tail[2].split(","):
+            return fields[4]
+    return None
+
+
+def host_tid(host_pid, ns_tid):
+    """The host tid of the thread of host_pid that its own PID namespace calls ns_tid, or None."""
+    try:
+        tids = os.listdir("/proc/%d/task" % host_pid)
+    except OSError:
+        return None
+    for name in tids:
+        nspids = parse_nspids(read_text("/proc/%d/task/%s/status" % (host_pid, name)))
+        if nspids and nspids[-1] == ns_tid:
+            return int(name)
+    return None
+
+
+def write_file(path, text):
+    with open(path, "w") as f:
+        f.write(text)
 
 
 def peer_pid(sock):
@@ -380,6 +410,8 @@ class Driver:
                 return self.reset(pid, request)
             if op == "fault":
                 return self.fault(request)
+            if op == "hang":
+                return self.hang(pid, request)
             if op == "view":
                 node, vmid, minors = self.caller(pid, request.get("node"))
                 return {"ok": True, "node": node, "vmid": vmid, "minors": minors}
@@ -528,10 +560,11 @@ class Driver:
     def fault(self, request):
         node = self.node_of(request.get("node"))
         if "init" in request:
-            if request["init"] not in ("none", "not_loaded"):
-                raise RequestError("init fault must be none or not_loaded")
+            if request["init"] not in INIT_FAULTS:
+                raise RequestError("init fault must be one of %s" % ", ".join(INIT_FAULTS))
             if request["init"] == "none":
                 self.init_faults.pop(node, None)
+                self.thaw_hung(node)
             else:
                 self.init_faults[node] = request["init"]
         else:
@@ -541,11 +574,64 @@ class Driver:
                 raise RequestError("fault must be one of %s" % ", ".join(FAULTS))
             if fault == "none":
                 self.faults.pop((node, minor), None)
+                self.thaw_hung(node)
             else:
                 self.faults[(node, minor)] = fault
         self._save()
         logging.info("fault %s", json.dumps(request, sort_keys=True))
         return {"ok": True}
+
+    # -- uninterruptible hangs --
+    def hang_groups(self, node):
+        """Freezer groups of this node's hung NVML callers (a container's go with its `stuck-VMID-` groups)."""
+        root = self.freezer_root()
+        if not root or not os.path.isdir(root):
+            return []
+        vmids = list(self.nodes().get(node, {}).get("containers", {}))
+        names = ["nvmlhang-%s" % node] + ["stuck-%s-nvmlhang" % vmid for vmid in vmids]
+        return [os.path.join(root, n) for n in names if os.path.isdir(os.path.join(root, n))]
+
+    def freezer_root(self):
+        mount = freezer_mount()
+        return os.path.join(mount, "gpuops-lab-" + self.refresh_lab().get("rid", "lab")) if mount else None
+
+    def hang(self, pid, request):
+        """Freezes the calling thread (a cgroup v1 freezer): it is stuck in the "kernel" as in a real driver hang."""
+        node, vmid, _minors = self.caller(pid, request.get("node"))
+        tid = host_tid(pid, int(request.get("tid", 0)))
+        root = self.freezer_root()
+        if tid is None or root is None:
+            raise RequestError("cannot freeze tid %s of pid %d" % (request.get("tid"), pid))
+        group = os.path.join(root, "stuck-%s-nvmlhang" % vmid if vmid else "nvmlhang-%s" % node)
+        os.makedirs(group, exist_ok=True)
+        write_file(os.path.join(group, "tasks"), str(tid))
+        write_file(os.path.join(group, "freezer.state"), "FROZEN")
+        logging.info("hang node=%s vmid=%s pid=%d tid=%d frozen in %s", node, vmid, pid, tid, group)
+        return {"ok": True, "tid": tid}
+
+    def thaw_hung(self, node):
+        """Thaws the node's hung callers; a group whose threads all died (they were killed) is removed."""
+        groups = self.hang_groups(node)
+        for group in groups:
+            try:
+                write_file(os.path.join(group, "freezer.state"), "THAWED")
+            except OSError:
+                pass
+            logging.info("thawed %s", group)
+        deadline = time.monotonic() + 2
+        while groups and time.monotonic() < deadline:
+            groups = [g for g in groups if read_text(os.path.join(g, "tasks")).strip()]
+            time.sleep(0.05)
+        for group in self.hang_groups(node):
+            if group not in groups:
+                try:
+                    os.rmdir(group)
+                except OSError:
+                    pass
+        try:
+            os.rmdir(self.freezer_root())  # only when empty: a labctl lab's other freezer groups keep it
+        except (OSError, TypeError):
+            pass
 
 
 # ---- socket server ----

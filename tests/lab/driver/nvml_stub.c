@@ -18,6 +18,7 @@
 #include <strings.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
@@ -33,6 +34,7 @@ enum {
     NVML_ERROR_NOT_FOUND = 6,
     NVML_ERROR_INSUFFICIENT_SIZE = 7,
     NVML_ERROR_DRIVER_NOT_LOADED = 9,
+    NVML_ERROR_FUNCTION_NOT_FOUND = 13,
     NVML_ERROR_GPU_IS_LOST = 15,
     NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
     NVML_ERROR_UNKNOWN = 999,
@@ -50,7 +52,8 @@ enum {
 #define PCI_SUBSYSTEM_ID 0x18BE10DEU
 #define CUDA_DRIVER_VERSION 13000
 
-enum { FAULT_NONE = 0, FAULT_LOST = 1, FAULT_HANG = 2 };
+/* hang: every call on the GPU; hang_memory, hang_procs: that call only; no_v2: no nvmlDeviceGetMemoryInfo_v2. */
+enum { FAULT_NONE = 0, FAULT_LOST = 1, FAULT_HANG = 2, FAULT_HANG_MEMORY = 3, FAULT_HANG_PROCS = 4, FAULT_NO_V2 = 5 };
 
 /* A handle points at one of these, filled at nvmlInit. */
 typedef struct lab_device {
@@ -109,7 +112,7 @@ typedef struct {
 
 typedef struct {
     char driver[80];
-    int init_not_loaded;
+    int init_not_loaded, init_hang;
     int ndev, nproc;
     snap_dev_t dev[MAX_DEVS];
     snap_proc_t proc[MAX_PROCS];
@@ -211,6 +214,12 @@ static int parse_fault(const char *s)
         return FAULT_LOST;
     if (strcmp(s, "hang") == 0)
         return FAULT_HANG;
+    if (strcmp(s, "hang_memory") == 0)
+        return FAULT_HANG_MEMORY;
+    if (strcmp(s, "hang_procs") == 0)
+        return FAULT_HANG_PROCS;
+    if (strcmp(s, "no_v2") == 0)
+        return FAULT_NO_V2;
     return FAULT_NONE;
 }
 
@@ -232,6 +241,7 @@ static int fetch_snapshot(snapshot_t *s)
             snprintf(s->driver, sizeof s->driver, "%s", line + 7);
         } else if (strncmp(line, "FAULT_INIT ", 11) == 0) {
             s->init_not_loaded = strcmp(line + 11, "not_loaded") == 0;
+            s->init_hang = strcmp(line + 11, "hang") == 0;
         } else if (strncmp(line, "DEV ", 4) == 0 && s->ndev < MAX_DEVS) {
             snap_dev_t *d = &s->dev[s->ndev];
             if (sscanf(line + 4, "%u %u %95s %31s %llu %llu %llu %31s", &d->index, &d->minor, d->uuid,
@@ -249,6 +259,21 @@ static int fetch_snapshot(snapshot_t *s)
     }
     free(answer);
     return complete ? 0 : -1;
+}
+
+/*
+ * A hung driver call never returns, and the calling thread is stuck in the kernel: the daemon
+ * puts it into a cgroup v1 freezer (state D, SIGKILL pends until thawed, like a real driver hang).
+ * Once thawed (fault cleared, container restarted, lab down) it still never returns.
+ */
+static void hang_forever(void)
+{
+    char node[96], request[200];
+    node_field(node, sizeof node);
+    snprintf(request, sizeof request, "{\"op\":\"hang\",\"tid\":%ld%s}\n", (long)syscall(SYS_gettid), node);
+    free(ask_daemon(request));
+    for (;;)
+        pause();
 }
 
 /* ---- init and shutdown ---- */
@@ -288,7 +313,10 @@ EXPORT nvmlReturn_t nvmlInitWithFlags(unsigned int flags)
         goto out;
     }
     snapshot_t *s = malloc(sizeof *s);
-    if (!s || fetch_snapshot(s) != 0 || s->init_not_loaded) {
+    int fetched = s ? fetch_snapshot(s) : -1;
+    if (fetched == 0 && s->init_hang)
+        hang_forever(); /* g_lock stays held: other threads' NVML calls queue behind it, as in a real driver */
+    if (fetched != 0 || s->init_not_loaded) {
         free(s);
         ret = NVML_ERROR_DRIVER_NOT_LOADED;
         goto out;
@@ -389,13 +417,6 @@ static nvmlReturn_t copy_string(char *dst, unsigned int length, const char *src)
         return NVML_ERROR_INSUFFICIENT_SIZE;
     memcpy(dst, src, strlen(src) + 1);
     return NVML_SUCCESS;
-}
-
-/* A hung GPU: the call never returns, like a thread stuck in the driver. */
-static void hang_forever(void)
-{
-    for (;;)
-        pause();
 }
 
 /*
@@ -636,6 +657,8 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t h, nvmlMemory_t *memory
     nvmlReturn_t ret = device_truth(h, &s, &d);
     if (ret != NVML_SUCCESS)
         return ret;
+    if (d->fault == FAULT_HANG_MEMORY)
+        hang_forever();
     /* v1: the reserved floor counts as used (GPU_FACTS row 1). */
     memory->total = d->total * MIB;
     memory->used = (d->reserved + d->used) * MIB;
@@ -655,6 +678,13 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *
     nvmlReturn_t ret = device_truth(h, &s, &d);
     if (ret != NVML_SUCCESS)
         return ret;
+    if (d->fault == FAULT_NO_V2) {
+        /* what nvidia-ml-py reports when the library has no such symbol (drivers before R510) */
+        free(s);
+        return NVML_ERROR_FUNCTION_NOT_FOUND;
+    }
+    if (d->fault == FAULT_HANG_MEMORY)
+        hang_forever();
     memory->total = d->total * MIB;
     memory->reserved = d->reserved * MIB;
     memory->used = d->used * MIB;
@@ -675,6 +705,8 @@ static nvmlReturn_t running_processes(nvmlDevice_t h, unsigned int *count, void 
     nvmlReturn_t ret = device_truth(h, &s, &d);
     if (ret != NVML_SUCCESS)
         return ret;
+    if (d->fault == FAULT_HANG_PROCS)
+        hang_forever();
     unsigned int n = 0;
     for (int i = 0; i < s->nproc; i++)
         if (s->proc[i].index == d->index)

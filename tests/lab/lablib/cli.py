@@ -67,8 +67,10 @@ def parser():
     fa = sub.add_parser("fault", help="inject a fault into a GPU or into driver init")
     fa.add_argument("--node", required=True)
     fa.add_argument("--gpu", type=int, help="minor")
-    fa.add_argument("--fault", choices=("lost", "hang", "none"))
-    fa.add_argument("--init", choices=("not_loaded", "none"))
+    fa.add_argument("--fault", choices=("lost", "hang", "hang_memory", "hang_procs", "no_v2", "none"),
+                    help="hang*: the call never returns and its thread is frozen (state D, SIGKILL pends) until "
+                         "the fault is cleared; no_v2: the library has no v2 memory call")
+    fa.add_argument("--init", choices=("not_loaded", "hang", "none"))
     lk = sub.add_parser("leak", help="leave MiB used on a GPU with no process holding it")
     lk.add_argument("--node", required=True)
     lk.add_argument("--gpu", type=int, required=True, help="minor")
@@ -129,7 +131,8 @@ def main(argv):
             print(json.dumps(scenarios.gpus(lab, args.node), sort_keys=True))
         elif args.command == "fault":
             if (args.fault is None) == (args.init is None):
-                raise LabError("fault takes --gpu MINOR --fault lost|hang|none, or --init not_loaded|none")
+                raise LabError("fault takes --gpu MINOR --fault lost|hang|hang_memory|hang_procs|no_v2|none, "
+                               "or --init not_loaded|hang|none")
             if args.fault is not None and args.gpu is None:
                 raise LabError("--fault needs --gpu MINOR")
             request = {"op": "fault", "node": args.node}

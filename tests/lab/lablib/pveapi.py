@@ -5,6 +5,16 @@ so what it answers is the live state: containers are the `nodes/NODE/lxc/VMID.co
 config is a migrated container), running or not from their init pid. Start/stop go through the
 same code as the lab's `pct`. Auth like PVE: a ticket from POST /access/ticket (cookie
 `PVEAuthCookie`, plus `CSRFPreventionToken` on writes) or `Authorization: PVEAPIToken=root@pam!lab=SECRET`.
+A second token, `root@pam!noaudit` (secret in STATE/api/token-noaudit), has no privilege: like a
+privilege-separated PVE token without an ACL, it sees no guest and may read nothing.
+
+Also like PVE: GET .../config merges a `[pve:pending]` section unless `current=1`; guests in a pool
+(STATE/api/pools.json, {"POOL": [VMID, ...]}) carry `pool` in /cluster/resources.
+
+Faults for tests: STATE/api/faults.json, read at each request, is a list of
+{"path": REGEX (searched in the path after /api2/json, query included), "method": "GET", "status": CODE,
+"message": TEXT, "delay": SECONDS}: the first matching entry delays the answer, then answers CODE with TEXT
+(or normally, without "status").
 """
 
 import hashlib
@@ -28,6 +38,7 @@ from lablib.common import LabError, pid_alive, read_json, write_file  # noqa: E4
 PORT = 8006
 USER = "root@pam"
 TOKEN_ID = "lab"
+NOAUDIT_TOKEN_ID = "noaudit"
 API_PREFIX = "/api2/json"
 
 
@@ -45,6 +56,7 @@ def make_credentials(state, address):
     make_certificate(cert, key, address)
     write_file(os.path.join(folder, "password"), secrets.token_urlsafe(18) + "\n", 0o600)
     write_file(os.path.join(folder, "token"), secrets.token_hex(16) + "\n", 0o600)
+    write_file(os.path.join(folder, "token-noaudit"), secrets.token_hex(16) + "\n", 0o600)
     info = {"address": address, "port": PORT, "url": api_url(address), "user": USER, "token_id": TOKEN_ID, "ca": cert}
     write_file(os.path.join(folder, "api.json"), json.dumps(info, indent=1, sort_keys=True) + "\n")
     return info
@@ -118,20 +130,29 @@ class PveError(Exception):
 
 
 def parse_conf(text):
-    """Proxmox container config text: ({key: value}, [[lxc.key, value], ...]); snapshot sections left out."""
-    keys, raw = {}, []
+    """Proxmox container config text: ({key: value}, [[lxc.key, value], ...]); pending and snapshot sections left out."""
+    return parse_sections(text)[:2]
+
+
+def parse_sections(text):
+    """({key: value}, [[lxc.key, value], ...], {pending key: value}); snapshot sections left out."""
+    keys, raw, pending = {}, [], {}
+    section = keys
     for line in text.splitlines():
         line = line.strip()
         if line.startswith("["):
-            break
+            if line.lower() != "[pve:pending]":
+                break
+            section = pending
+            continue
         if not line or line.startswith("#") or ":" not in line:
             continue
         key, value = (part.strip() for part in line.split(":", 1))
-        if key.startswith("lxc."):
+        if key.startswith("lxc.") and section is keys:
             raw.append([key, value])
         else:
-            keys[key] = value
-    return keys, raw
+            section[key] = value
+    return keys, raw, pending
 
 
 class LabView:
@@ -178,10 +199,15 @@ class LabView:
         with open(container.conf_path(self.node_dir(node), vmid)) as f:
             return f.read()
 
-    def config(self, node, vmid):
+    def config(self, node, vmid, current=False):
+        """Like PVE's load_current_config: pending values taken in, pending deletions applied, unless current."""
         text = self.conf_text(node, vmid)
-        keys, raw = parse_conf(text)
+        keys, raw, pending = parse_sections(text)
         data = dict(keys)
+        if not current:
+            data.update((k, v) for k, v in pending.items() if k != "delete")
+            for key in pending.get("delete", "").split(","):
+                data.pop(key.strip().lstrip("!"), None)
         for key in ("cores", "memory", "swap", "unprivileged"):
             if key in data and data[key].isdigit():
                 data[key] = int(data[key])
@@ -204,8 +230,14 @@ class LabView:
             out["uptime"] = uptime_of(ct["init_host_pid"])
         return out
 
+    def pools(self):
+        """{vmid: pool} from STATE/api/pools.json."""
+        pools = read_json(os.path.join(api_dir(self.state), "pools.json")) or {}
+        return {int(vmid): pool for pool, vmids in pools.items() for vmid in vmids}
+
     def resources(self, kind):
         out = []
+        pools = self.pools()
         if kind in (None, "node"):
             for node, ncfg in self.nodes():
                 out.append({"id": "node/%s" % node, "type": "node", "node": node,
@@ -222,6 +254,8 @@ class LabView:
                             "maxmem": cur["maxmem"], "maxcpu": cur["cpus"]}
                     if cur.get("tags"):
                         item["tags"] = cur["tags"]
+                    if vmid in pools:
+                        item["pool"] = pools[vmid]
                     out.append(item)
         return out
 
@@ -345,6 +379,10 @@ class Auth:
             if match and match.group(1) == USER and match.group(2) == TOKEN_ID \
                     and secrets.compare_digest(match.group(3), self.token()):
                 return "%s!%s" % (USER, TOKEN_ID)
+            if match and match.group(1) == USER and match.group(2) == NOAUDIT_TOKEN_ID \
+                    and os.path.exists(os.path.join(api_dir(self.state), "token-noaudit")) \
+                    and secrets.compare_digest(match.group(3), read_secret(self.state, "token-noaudit")):
+                return "%s!%s" % (USER, NOAUDIT_TOKEN_ID)
             raise PveError(401, "invalid token value!")
         ticket = None
         for part in headers.get("Cookie", "").split(";"):
@@ -416,11 +454,35 @@ class Handler(http.server.BaseHTTPRequestHandler):
                     raise PveError(401, "authentication failure")
                 return self._reply(200, data)
             user = self.server.auth.check(self.headers, method != "GET")
+            self._fault(method, path + ("?" + url.query if url.query else ""))
+            if user.endswith("!" + NOAUDIT_TOKEN_ID):
+                return self._reply(200, self.route_unprivileged(method, path, params))
             self._reply(200, self.route(method, path, params, user))
         except PveError as exc:
             self._reply(exc.code, None, exc.message)
         except (LabError, OSError, ValueError, KeyError) as exc:
             self._reply(500, None, "lab API error: %s" % exc)
+
+    def _fault(self, method, path):
+        """The first matching entry of STATE/api/faults.json: wait its delay, then raise its status."""
+        faults = read_json(os.path.join(api_dir(self.server.view.state), "faults.json")) or []
+        for fault in faults:
+            if fault.get("method", "GET") == method and re.search(fault["path"], path):
+                time.sleep(float(fault.get("delay") or 0))
+                if fault.get("status"):
+                    raise PveError(int(fault["status"]), fault.get("message", "lab fault"))
+                return
+
+    def route_unprivileged(self, method, path, params):
+        """What a user without any privilege gets: PVE filters lists by permission and refuses the rest."""
+        if method == "GET" and path == "/cluster/resources":
+            return []
+        if method == "GET" and path == "/version":
+            return {"version": "8.4.1", "release": "8.4", "repoid": "gpuopslab"}
+        parts = path.strip("/").split("/")
+        if len(parts) >= 4 and parts[0] == "nodes" and parts[2] == "lxc":
+            raise PveError(403, "Permission check failed (/vms/%s, VM.Audit)" % parts[3])
+        raise PveError(403, "Permission check failed (/, Sys.Audit)")
 
     def route(self, method, path, params, user):
         view, parts = self.server.view, path.strip("/").split("/")
@@ -438,7 +500,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 view.check_node(parts[1])
                 return [view.current(parts[1], v) for v in view.vmids(parts[1])]
             if len(parts) == 5 and parts[0] == "nodes" and parts[2] == "lxc" and parts[4] == "config":
-                return view.config(parts[1], self._vmid(parts[3]))
+                return view.config(parts[1], self._vmid(parts[3]), params.get("current") in ("1", "true"))
             if len(parts) == 6 and parts[:1] + parts[2:3] + parts[4:] == ["nodes", "lxc", "status", "current"]:
                 return view.current(parts[1], self._vmid(parts[3]))
             if len(parts) == 5 and parts[0] == "nodes" and parts[2] == "tasks" and parts[4] == "status":

@@ -4,6 +4,9 @@ The Proxmox API answers here are recorded ones (shapes from PVE_FACTS.md), serve
 for proxmoxer's ProxmoxAPI object; tests/integration/test_inventory_proxmox_gpu.py runs the plugin
 against the lab's real HTTPS API.
 """
+import json
+import re
+
 import pytest
 
 from ansible.errors import AnsibleError, AnsibleParserError
@@ -17,12 +20,13 @@ from ansible_collections.gpuops.fleet.plugins.inventory import proxmox_gpu  # no
 
 RESOURCES = [
     {"id": "lxc/101", "type": "lxc", "node": "pve1", "vmid": 101, "name": "sglang-a", "status": "running",
-     "template": 0, "tags": "gpu;sglang"},
-    {"id": "lxc/102", "type": "lxc", "node": "pve1", "vmid": 102, "name": "web", "status": "running", "template": 0},
+     "template": 0, "tags": "gpu;sglang", "uptime": 5000, "pool": "ml"},
+    {"id": "lxc/102", "type": "lxc", "node": "pve1", "vmid": 102, "name": "web", "status": "running", "template": 0,
+     "uptime": 7000},
     {"id": "lxc/205", "type": "lxc", "node": "pve2", "vmid": 205, "name": "vllm-b", "status": "stopped",
      "template": 0, "tags": "gpu"},
     {"id": "lxc/206", "type": "lxc", "node": "pve2", "vmid": 206, "name": "sglang-a", "status": "running",
-     "template": 0, "tags": "gpu"},
+     "template": 0, "tags": "gpu", "uptime": 300, "pool": "ml"},
     {"id": "lxc/900", "type": "lxc", "node": "pve1", "vmid": 900, "name": "tmpl", "status": "running", "template": 1},
     {"id": "qemu/300", "type": "qemu", "node": "pve1", "vmid": 300, "name": "vm", "status": "running", "template": 0},
 ]
@@ -70,12 +74,14 @@ def recorded(**overrides):
     return RecordedApi(answers)
 
 
-def run_plugin(tmp_path, monkeypatch, api, conf="", cache=False, name="fleet.proxmox_gpu.yml"):
+def run_plugin(tmp_path, monkeypatch, api, conf="", cache=False, name="fleet.proxmox_gpu.yml", warnings=None):
     path = tmp_path / name
     path.write_text("plugin: gpuops.fleet.proxmox_gpu\nurl: https://pve1.example.org:8006\nuser: root@pam\n"
                     "token_id: ci\ntoken_secret: s3cret\n" + conf)
     plugin = inventory_loader.get("gpuops.fleet.proxmox_gpu")
     monkeypatch.setattr(plugin, "_connect", lambda: api)
+    if warnings is not None:
+        monkeypatch.setattr(plugin.display, "warning", lambda msg, *a, **kw: warnings.append(msg))
     inventory = InventoryData()
     plugin.parse(inventory, DataLoader(), str(path), cache=cache)
     if getattr(plugin, "_cache", None) is not None:
@@ -100,6 +106,39 @@ def test_gpu_devices_from_dev_keys_and_mount_entries():
                       ["lxc.cgroup2.devices.allow", "c 195:* rwm"]]}
     assert proxmox_gpu.gpu_devices(config) == ["/dev/nvidia2", "/dev/nvidia3", "/dev/nvidia10"]
     assert proxmox_gpu.gpu_devices({"hostname": "x"}) == []
+
+
+def test_dev_keys_with_options_before_path():
+    config = {"dev0": "mode=0666,path=/dev/nvidia3", "dev1": "uid=0,gid=44,path=/dev/nvidia1",
+              "dev2": "path=/dev/nvidia5,deny-write"}
+    assert proxmox_gpu.gpu_devices(config) == ["/dev/nvidia1", "/dev/nvidia3"]
+    assert [d["usable"] for d in proxmox_gpu.gpu_passthrough(config)] == [True, True, False]
+
+
+def test_mount_entry_source_is_the_node_gpu_destination_its_container_path():
+    config = {"lxc": [["lxc.cgroup2.devices.allow", "c 195:* rwm"],
+                      ["lxc.mount.entry", "/dev/nvidia3 dev/nvidia0 none bind,optional,create=file"]]}
+    assert proxmox_gpu.gpu_devices(config) == ["/dev/nvidia3"]
+    (dev,) = proxmox_gpu.gpu_passthrough(config)
+    assert (dev["minor"], dev["device"], dev["path"], dev["source"]) == (3, "/dev/nvidia3", "/dev/nvidia0", "lxc.mount.entry")
+
+
+@pytest.mark.parametrize("rules, usable", [
+    ([], []),
+    ([["lxc.cgroup2.devices.allow", "c 195:* rwm"]], [2, 3]),
+    ([["lxc.cgroup2.devices.allow", "c 195:3 rw"]], [3]),
+    ([["lxc.cgroup.devices.allow", "c 195:2 rwm"]], [2]),
+    ([["lxc.cgroup2.devices.allow", "c 195:* r"]], []),
+    ([["lxc.cgroup2.devices.allow", "a"]], [2, 3]),
+    ([["lxc.cgroup2.devices.allow", "c 195:* rwm"], ["lxc.cgroup2.devices.deny", "c 195:2 w"]], [3]),
+    ([["lxc.cgroup2.devices.allow", "c 226:* rwm"], ["lxc.cgroup2.devices.allow", "b 195:* rwm"]], []),
+])
+def test_mount_entries_need_a_device_rule(rules, usable):
+    config = {"lxc": rules + [["lxc.mount.entry", "/dev/nvidia2 dev/nvidia2 none bind,optional,create=file"],
+                              ["lxc.mount.entry", "/dev/nvidia3 dev/nvidia3 none bind,optional,create=file"]]}
+    assert proxmox_gpu.gpu_devices(config) == ["/dev/nvidia%d" % m for m in usable]
+    denied = [d["device"] for d in proxmox_gpu.gpu_passthrough(config) if not d["usable"]]
+    assert denied == ["/dev/nvidia%d" % m for m in (2, 3) if m not in usable]
 
 
 def test_split_tags_accepts_proxmox_separators():
@@ -193,15 +232,67 @@ def test_strict_turns_a_bad_compose_into_an_error(tmp_path, monkeypatch):
     assert "broken" not in hostvars(inventory, "web")
 
 
-def test_cache_spares_the_api(tmp_path, monkeypatch):
-    conf = "cache: true\ncache_plugin: ansible.builtin.jsonfile\ncache_connection: %s\n" % (tmp_path / "cache")
+CACHE_CONF = "cache: true\ncache_plugin: ansible.builtin.jsonfile\ncache_connection: %s\n"
+
+
+def config_calls(api):
+    return sorted(p for p, dummy in api.calls if p.endswith("/config"))
+
+
+def test_cache_spares_config_reads_only(tmp_path, monkeypatch):
+    conf = CACHE_CONF % (tmp_path / "cache")
     first = recorded()
     run_plugin(tmp_path, monkeypatch, first, conf, cache=False)  # refresh: reads the API, fills the cache
-    assert first.calls
+    assert len(config_calls(first)) == 3
     second = recorded()
     inventory = run_plugin(tmp_path, monkeypatch, second, conf, cache=True)
-    assert second.calls == [] and sorted(inventory.hosts) == ["ct206", "sglang-a", "web"]
+    # The guest list and the node addresses are read again; the configs are not.
+    assert [p for p, dummy in second.calls] == ["cluster/resources", "cluster/status"]
+    assert sorted(inventory.hosts) == ["ct206", "sglang-a", "web"]
     assert hostvars(inventory, "sglang-a")["proxmox_gpu_minors"] == [4, 5]
+
+
+def test_cache_never_sends_a_task_to_a_stale_node_or_a_reused_vmid(tmp_path, monkeypatch):
+    conf = CACHE_CONF % (tmp_path / "cache")
+    run_plugin(tmp_path, monkeypatch, recorded(), conf, cache=False)
+    # 101 migrated to pve2 (restart mode: new start), 102 destroyed and its vmid reused by a new container,
+    # and pve1's address changed.
+    moved = [dict(RESOURCES[0], node="pve2", uptime=4), dict(RESOURCES[1], name="web2", uptime=60)] + RESOURCES[2:]
+    status = [STATUS[0], dict(STATUS[1], ip="10.0.0.21"), STATUS[2]]
+    answers = {"cluster/resources": moved, "cluster/status": status,
+               "nodes/pve2/lxc/101/config": CONFIGS["nodes/pve1/lxc/101/config"],
+               "nodes/pve1/lxc/102/config": {"hostname": "web2", "dev0": "/dev/nvidia6"}}
+    api = recorded(**answers)
+    inventory = run_plugin(tmp_path, monkeypatch, api, conf, cache=True)
+    assert config_calls(api) == ["nodes/pve1/lxc/102/config", "nodes/pve2/lxc/101/config"]
+    a = hostvars(inventory, "sglang-a")
+    assert a["proxmox_node"] == "pve2" and a["ansible_host"] == "10.0.0.12" and a["proxmox_gpu_minors"] == [4, 5]
+    assert hostvars(inventory, "web2")["proxmox_gpu_minors"] == [6] and "web" not in inventory.hosts
+    assert hostvars(inventory, "web2")["ansible_host"] == "10.0.0.21"
+    # Same vmid, node and name, but started again since: a config changed at that restart is read.
+    api = recorded(**{"cluster/resources": [dict(moved[0], uptime=2)] + moved[1:], "cluster/status": status,
+                      "nodes/pve2/lxc/101/config": {"hostname": "sglang-a", "dev0": "/dev/nvidia7"},
+                      "nodes/pve1/lxc/102/config": answers["nodes/pve1/lxc/102/config"]})
+    monkeypatch.setattr(proxmox_gpu.time, "time", lambda: TIME_NOW + 600)
+    inventory = run_plugin(tmp_path, monkeypatch, api, conf, cache=True)
+    assert "nodes/pve2/lxc/101/config" in config_calls(api)
+    assert hostvars(inventory, "sglang-a")["proxmox_gpu_minors"] == [7]
+
+
+TIME_NOW = __import__("time").time()
+
+
+def test_a_cache_of_the_old_format_is_ignored(tmp_path, monkeypatch):
+    conf = CACHE_CONF % (tmp_path / "cache")
+    run_plugin(tmp_path, monkeypatch, recorded(), conf, cache=False)
+    (cache_file,) = (tmp_path / "cache").iterdir()
+    envelope = json.loads(cache_file.read_text())
+    (payload_key,) = envelope
+    old = [{"vmid": 101, "node": "pve9", "address": "10.9.9.9"}]  # what 4f76d56 cached: whole host records
+    cache_file.write_text(json.dumps({payload_key: json.dumps(old)}))
+    api = recorded()
+    inventory = run_plugin(tmp_path, monkeypatch, api, conf, cache=True)
+    assert len(config_calls(api)) == 3 and hostvars(inventory, "sglang-a")["proxmox_node"] == "pve1"
 
 
 def test_unauthorized_answer_says_authentication_failed(tmp_path, monkeypatch):
@@ -210,10 +301,99 @@ def test_unauthorized_answer_says_authentication_failed(tmp_path, monkeypatch):
         run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": denied}))
 
 
-def test_other_api_errors_name_the_request(tmp_path, monkeypatch):
-    missing = proxmox_gpu.ResourceException(500, "Configuration file 'nodes/pve1/lxc/101.conf' does not exist", "")
-    with pytest.raises(AnsibleParserError, match="GET nodes/pve1/lxc/101/config failed.*does not exist"):
-        run_plugin(tmp_path, monkeypatch, recorded(**{"nodes/pve1/lxc/101/config": missing}))
+def test_a_failed_guest_list_names_the_request(tmp_path, monkeypatch):
+    broken = proxmox_gpu.ResourceException(500, "Internal Server Error", "cfs-lock timeout")
+    with pytest.raises(AnsibleParserError, match="GET cluster/resources failed: 500 Internal Server Error"):
+        run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": broken}))
+
+
+def test_one_unreadable_config_is_left_out_with_a_warning(tmp_path, monkeypatch):
+    missing = proxmox_gpu.ResourceException(500, "Internal Server Error",
+                                            "Configuration file 'nodes/pve1/lxc/101.conf' does not exist")
+    slow = proxmox_gpu.requests.exceptions.ReadTimeout("Read timed out. (read timeout=10)")
+    warnings = []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"nodes/pve1/lxc/101/config": missing,
+                                                              "nodes/pve2/lxc/206/config": slow}), warnings=warnings)
+    assert sorted(inventory.hosts) == ["web"]
+    assert len(warnings) == 2, warnings
+    assert "left out CT 101 (sglang-a) on pve1" in warnings[0] and "101.conf' does not exist" in warnings[0]
+    assert "left out CT 206 (sglang-a) on pve2" in warnings[1]
+    assert "did not answer GET nodes/pve2/lxc/206/config within 10 s" in warnings[1]
+
+
+def test_an_unauthorized_config_read_still_fails(tmp_path, monkeypatch):
+    denied = proxmox_gpu.ResourceException(401, "Unauthorized", "invalid PVE ticket")
+    with pytest.raises(AnsibleParserError, match="authentication failed for root@pam"):
+        run_plugin(tmp_path, monkeypatch, recorded(**{"nodes/pve1/lxc/102/config": denied}))
+
+
+def test_config_is_read_with_current(tmp_path, monkeypatch):
+    api = recorded()
+    run_plugin(tmp_path, monkeypatch, api)
+    assert {tuple(sorted(params.items())) for p, params in api.calls if p.endswith("/config")} == {(("current", 1),)}
+
+
+@pytest.mark.parametrize("fault, text", [
+    (proxmox_gpu.requests.exceptions.ConnectionError("[Errno 111] Connection refused"),
+     "cannot reach the Proxmox VE API at https://pve1.example.org:8006 (GET cluster/resources"),
+    (proxmox_gpu.requests.exceptions.ReadTimeout("Read timed out."),
+     "did not answer GET cluster/resources within 10 s"),
+])
+def test_api_down_or_slow_is_named(tmp_path, monkeypatch, fault, text):
+    with pytest.raises(AnsibleParserError, match=re.escape(text)):
+        run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": fault}))
+
+
+def test_no_guest_listed_warns_about_vm_audit(tmp_path, monkeypatch):
+    warnings = []
+    nodes_only = [{"id": "node/pve1", "type": "node", "node": "pve1", "status": "online"}]
+    api = recorded(**{"cluster/resources": nodes_only})
+    inventory = run_plugin(tmp_path, monkeypatch, api, warnings=warnings)
+    assert not inventory.hosts and len(warnings) == 1
+    assert "lists no guests at all to root@pam!ci" in warnings[0] and "VM.Audit" in warnings[0]
+    assert [p for p, dummy in api.calls] == ["cluster/resources"]
+
+
+def test_nothing_selected_warns_with_counts(tmp_path, monkeypatch):
+    warnings = []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "nodes: [pve9]\n", warnings=warnings)
+    assert not inventory.hosts and len(warnings) == 1
+    assert "no container selected" in warnings[0] and "6 guests listed, 4 LXC containers (3 running)" in warnings[0]
+
+
+def test_filters_by_status_node_pool_and_name(tmp_path, monkeypatch):
+    configs = {"nodes/pve2/lxc/205/config": {"hostname": "vllm-b", "dev0": "/dev/nvidia1"}}
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**configs), "statuses: [running, stopped]\n")
+    assert sorted(inventory.hosts) == ["ct206", "sglang-a", "vllm-b", "web"]
+    assert hostvars(inventory, "vllm-b")["proxmox_status"] == "stopped"
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**configs), "statuses: [stopped]\n")
+    assert sorted(inventory.hosts) == ["vllm-b"]
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "nodes: [pve2]\n")
+    assert sorted(inventory.hosts) == ["sglang-a"] and hostvars(inventory, "sglang-a")["pct_vmid"] == 206
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "pools: [ml]\n")
+    assert sorted(inventory.hosts) == ["ct206", "sglang-a"] and hostvars(inventory, "ct206")["proxmox_pool"] == "ml"
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "names: ['w*', 'nothing']\n")
+    assert sorted(inventory.hosts) == ["web"]
+    api = recorded()
+    run_plugin(tmp_path, monkeypatch, api, "names: ['w*']\n")
+    assert config_calls(api) == ["nodes/pve1/lxc/102/config"]  # filters apply before any config read
+
+
+def test_hostname_template(tmp_path, monkeypatch):
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "hostname: '{{ node }}-{{ vmid }}'\n")
+    assert sorted(inventory.hosts) == ["pve1-101", "pve1-102", "pve2-206"]
+    assert hostvars(inventory, "pve2-206")["proxmox_name"] == "sglang-a"
+    warnings = []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "hostname: '{{ name }}'\n", warnings=warnings)
+    assert sorted(inventory.hosts) == ["ct206", "sglang-a", "web"]
+    assert len(warnings) == 1 and "gave CT 206 the name 'sglang-a', already taken; named it ct206" in warnings[0]
+
+
+def test_hostname_template_does_not_run_api_values(tmp_path, monkeypatch):
+    evil = [dict(RESOURCES[0], name="{{ lookup('pipe', 'id') }}")]
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": evil}),
+                           "hostname: 'x-{{ name }}'\n")
+    assert sorted(inventory.hosts) == ["x-{{ lookup('pipe', 'id') }}"]
 
 
 def test_credentials_are_required(tmp_path):

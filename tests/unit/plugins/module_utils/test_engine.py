@@ -183,3 +183,32 @@ def test_fmt_and_missing_lib_message():
     assert fmt_mib(4000) == "3.9 GiB" and fmt_mib(12) == "12 MiB"
     line = missing_lib_message("nvidia-ml-py", "pynvml")
     assert "\n" not in line and "nvidia-ml-py" in line and "-m pip install nvidia-ml-py" in line
+
+
+def test_an_ancestor_holding_a_gpu_is_protected_counted_and_never_signalled(proc):
+    from ansible_collections.gpuops.fleet.plugins.module_utils._release import decide
+    proc.add(1, comm="init", ppid=0)
+    proc.add(50, comm="python3", ppid=1, maps=ctx(0) + [CTL, UVM], fds=["/dev/nvidia0"])   # runs the module
+    proc.add(100, comm="python3", ppid=50)                                                  # the module itself
+    fake = FakeNvml([{"minor": 0, "used_mib": 2048, "procs": [(50, 2048)]}])
+    engine = Engine(Nvml(2.0, lib=fake), proc_root=proc.root, self_pid=100)
+    engine.start()
+    report = engine.snapshot([0])
+    assert report.holders == [] and [h["pid"] for h in report.protected_holders] == [50]
+    assert report.gpus[0]["protected_holders"] == [50] and not report.gpus[0]["free"] and not report.all_free
+    assert report.as_dict()["protected_holders"][0]["gpus"] == [0]
+    assert decide(report, [0], [0]).to_signal == []
+    assert ("pid 50 (python3) is an ancestor of this module and holds GPU 0 (2.0 GiB by NVML): it is never "
+            "signalled, and the GPU is not free while it runs") in report.diagnosis
+
+
+def test_no_gpu_is_never_all_free(proc):
+    from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import no_gpu_message
+    engine, dummy = engine_for(proc, [])
+    report = engine.snapshot([])
+    assert report.all_free is False
+    assert no_gpu_message(engine, []).startswith("NVML sees no GPU here (driver 580.159.04-fake, nvmlDeviceGetCount "
+                                                 "returned 0)")
+    engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 0}])
+    assert no_gpu_message(engine, []).startswith("no GPU selected; NVML sees 0 (minor 0, GPU-")
+    assert no_gpu_message(engine, [0]) is None

@@ -12,6 +12,13 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._redact import MASK, 
     (["curl", "https://h/x?token=abc&b=1"], "curl https://h/x?token=%s&b=1" % MASK),
     (["vllm", "--tokenizer", "llama", "--password-file", "/etc/pw"], "vllm --tokenizer llama --password-file /etc/pw"),
     (["python3", "--api-key"], "python3 --api-key"),
+    (["python3", "dl.py", "--hf-token", "hf_abc"], "python3 dl.py --hf-token %s" % MASK),
+    (["mysql", "--pass", "pw1", "--passwd", "pw2", "--pass=pw3"], "mysql --pass %s --passwd %s --pass=%s" % (MASK, MASK, MASK)),
+    (["python3", "--db", "postgres://app:s3cret@db:5432/x"], "python3 --db postgres://app:%s@db:5432/x" % MASK),
+    (["curl", "-H", "Authorization: Bearer eyJabc.def"], "curl -H Authorization: Bearer %s" % MASK),
+    (["curl", "-H", "authorization: Basic dXNlcjpwdw=="], "curl -H authorization: Basic %s" % MASK),
+    (["tool", "Bearer", "tok123"], "tool Bearer %s" % MASK),
+    (["python3", "--bypass-cache", "yes"], "python3 --bypass-cache yes"),
 ])
 def test_default_patterns(argv, expected):
     assert redact_argv(argv) == expected
@@ -30,6 +37,13 @@ def test_user_pattern_with_group_masks_only_the_group():
 
 def test_user_pattern_without_group_masks_the_match():
     assert redact_argv(["x", "AKIA1234ABCD"], compile_patterns([r"AKIA[0-9A-Z]+"])) == "x " + MASK
+
+
+def test_user_pattern_with_an_optional_group_never_crashes():
+    patterns = compile_patterns([r"key(=(\w+))?", r"pw(:(\S+))?"])
+    assert redact_argv(["x", "key", "key=abc"], patterns) == "x %s %s" % (MASK, MASK)
+    one_optional = compile_patterns([r"sk-(\d+)?[a-z]+"])
+    assert redact_argv(["x", "sk-abc", "sk-12abc"], one_optional) == "x %s sk-%sabc" % (MASK, MASK)
 
 
 def test_bad_user_pattern_names_it():

@@ -264,15 +264,28 @@ class Lab(object):
             time.sleep(0.01)
         return proc.pid
 
-    def holding(self, pid):
+    def holding(self, pid, minor=None):
+        """Alive, and (when minor is given) some thread of it maps that GPU's node as a context."""
         stat = procscan.read_stat(pid)
-        return stat is not None and not (stat["state"] == "Z" and stat["num_threads"] <= 1)
+        if stat is None or (stat["state"] == "Z" and stat["num_threads"] <= 1):
+            return False
+        if minor is None:
+            return True
+        node = os.path.join(self.devdir, "nvidia%d" % minor)
+        for tid in os.listdir("/proc/%d/task" % pid) if os.path.isdir("/proc/%d/task" % pid) else ():
+            try:
+                with open("/proc/%d/task/%s/maps" % (pid, tid)) as f:
+                    if f.read().count(node + "\n") >= 3:
+                        return True
+            except OSError:
+                continue
+        return False
 
     def _follow(self):
         """A modern driver in the caller's namespace: used and the pid list follow the holders."""
         while not self.stop.is_set():
             for gpu in self.fake.gpus:
-                held = [p.pid for p, m in self.procs if m == gpu["minor"] and self.holding(p.pid)]
+                held = [p.pid for p, m in self.procs if m == gpu["minor"] and self.holding(p.pid, m)]
                 gpu["procs"] = [(pid, 1000) for pid in held]
                 gpu["used_mib"] = 1000 * len(held)
             time.sleep(0.01)
@@ -385,3 +398,117 @@ def test_job_with_a_member_left_out_by_match_is_refused_whole(proc):
     assert len(decision.refusals) == 1
     assert decision.refusals[0].startswith("pid 90 (tp_rank0) belongs to the job of pid 90 (pids 90, 91")
     assert "pid 91 (tp_rank1) of that job may not be signalled (does not match `match`" in decision.refusals[0]
+
+
+def test_a_sigterm_survivor_that_let_go_of_its_gpu_is_not_killed(lab, tmp_path):
+    pid = lab.start("let_go_on_term")          # frees its context on SIGTERM, then writes a checkpoint
+    stubborn = lab.start("term_ignoring")       # keeps GPU 0 busy past term_timeout
+    failed, msg, result = release(lab.engine(), [0], dict(OPTS, term_timeout=0.3), lock_dir=str(tmp_path))
+    assert not failed, msg
+    assert lab.holding(pid) and not lab.holding(pid, 0) and not lab.holding(stubborn)
+    assert [(a["signal"], a["outcome"]) for a in result["actions"] if a["pid"] == pid] == [
+        ("SIGTERM", "sent"), ("SIGKILL", "not sent: it no longer holds a targeted GPU")]
+    assert [a["signal"] for a in result["actions"] if a["pid"] == stubborn] == ["SIGTERM", "SIGKILL"]
+
+
+def test_reset_has_its_own_timeout_not_verify_timeout(lab, tmp_path):
+    flag = tmp_path / "reset-done"
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nsleep 1.5\ntouch %s\necho GPU reset\n" % flag)
+    smi.chmod(0o755)
+    lab.stop.set()   # no follower: this GPU's memory leaked, no process holds it
+    time.sleep(0.05)
+    gpu = lab.fake.gpus[0]
+    gpu.update(used_mib=4096, procs=[])
+
+    def clear_after_reset():
+        while not flag.exists():
+            time.sleep(0.01)
+        gpu["used_mib"] = 0
+    threading.Thread(target=clear_after_reset, daemon=True).start()
+    options = dict(OPTS, verify_timeout=0.3, gpu_reset=True, reset_timeout=5.0, nvidia_smi=str(smi))
+    failed, msg, result = release(lab.engine(), [0], options, lock_dir=str(tmp_path / "locks"))
+    assert not failed, msg
+    assert [(a["signal"], a["outcome"].split(":")[0]) for a in result["actions"]] == [("reset", "done")]
+    assert result["rung_reached"] == "reset" and result["after"][0]["free"]
+
+
+def test_lock_dir_is_made_0700_and_a_hostile_one_is_refused(tmp_path):
+    from ansible_collections.gpuops.fleet.plugins.module_utils._release import LockDirError
+    good = tmp_path / "run" / "gpuops-fleet"
+    locks = GpuLocks(str(good))
+    locks.acquire(["GPU-a"], 1.0)
+    locks.release()
+    assert oct(os.stat(str(good)).st_mode & 0o777) == "0o700"
+    link = tmp_path / "link"
+    link.symlink_to(tmp_path)
+    with pytest.raises(LockDirError, match="it is a symbolic link"):
+        GpuLocks(str(link)).acquire(["GPU-a"], 1.0)
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o755)
+    os.chmod(str(loose), 0o755)
+    with pytest.raises(LockDirError, match="its mode is 0755, it must be 0700"):
+        GpuLocks(str(loose)).acquire(["GPU-a"], 1.0)
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    os.chown(str(other), 4242, 4242)
+    with pytest.raises(LockDirError, match="belongs to uid 4242"):
+        GpuLocks(str(other)).acquire(["GPU-a"], 1.0)
+    target = tmp_path / "victim"
+    target.write_text("keep")
+    os.symlink(str(target), os.path.join(str(good), "gpuops-fleet-gpu-GPU-b.lock"))
+    with pytest.raises(LockDirError, match="lock file .* is a symbolic link"):
+        GpuLocks(str(good)).acquire(["GPU-b"], 1.0)
+    assert target.read_text() == "keep"
+
+
+def test_a_hard_stop_keeps_what_was_signalled(lab, tmp_path):
+    from ansible_collections.gpuops.fleet.plugins.module_utils._release import ReleaseTimeout, backstop_result
+    pid = lab.start("term_ignoring")
+    progress = {}
+
+    def hard_stop(signum, frame):
+        raise ReleaseTimeout("the overall timeout was reached (hard stop)")
+    previous = signal.signal(signal.SIGALRM, hard_stop)
+    # fires mid-wait after SIGTERM, then every 2 ms, so that it also escapes release()'s own clean-up
+    signal.setitimer(signal.ITIMER_REAL, 0.6, 0.002)
+    try:
+        with pytest.raises(ReleaseTimeout):
+            release(lab.engine(), [0], dict(OPTS, term_timeout=30), lock_dir=str(tmp_path), progress=progress)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    kept = backstop_result(progress)
+    assert kept["changed"] is True and kept["rung_reached"] == "sigterm"
+    assert [(a["pid"], a["signal"], a["outcome"]) for a in kept["actions"]] == [(pid, "SIGTERM", "sent")]
+
+
+DENIED = r'''
+import os, sys, json
+sys.path[:0] = sys.argv[3].split(os.pathsep)
+from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import send_guarded
+pid = int(sys.argv[1])
+record = {"pid": pid, "name": "sleep", "starttime_ticks": procscan.read_stat(pid)["starttime"],
+          "create_time": float(sys.argv[2])}
+os.setgid(4242)
+os.setuid(4242)
+print(json.dumps([send_guarded(record, 9, use_pidfd=False), send_guarded(record, 9)]))
+'''
+
+
+def test_access_denied_without_pidfd_is_an_outcome_not_a_crash():
+    import json
+    import psutil
+    target = subprocess.Popen(["sleep", "30"])
+    try:
+        created = psutil.Process(target.pid).create_time()
+        out = subprocess.run([sys.executable, "-c", DENIED, str(target.pid), repr(created), os.pathsep.join(sys.path)],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, check=False)
+        assert out.returncode == 0, out.stderr
+        fallback, pidfd = json.loads(out.stdout)
+        assert fallback.startswith("error: access denied") and pidfd.startswith("error: ")
+        assert target.poll() is None
+    finally:
+        target.kill()
+        target.wait()

@@ -1,0 +1,64 @@
+"""Bounded reads of /proc files that take the target's memory-map lock (issue 12 A1).
+
+A FIFO stands in for a /proc file whose read never returns: opening it waits for a writer
+that never comes. The lab test test_faults_nvml.py blocks a real /proc/PID/cmdline.
+"""
+
+import os
+import time
+
+import pytest
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+
+from conftest import CTL, ctx
+
+
+@pytest.fixture
+def reader(monkeypatch):
+    fresh = procscan.BoundedReader(timeout=0.5)
+    monkeypatch.setattr(procscan, "READER", fresh)
+    yield fresh
+    fresh.close()
+
+
+def block(proc, pid, name):
+    path = os.path.join(proc.root, str(pid), name)
+    os.unlink(path)
+    os.mkfifo(path)
+    return path
+
+
+def test_a_blocked_read_is_bounded_and_the_pid_recorded(proc, reader):
+    proc.add(300, comm="stuck", state="D", maps=ctx(0), fds=["/dev/nvidia0"],
+             tasks={300: {"state": "D", "wchan": "vm_mmap_pgoff"}})
+    path = block(proc, 300, "cmdline")
+    started = time.monotonic()
+    with pytest.raises(procscan.ReadBlocked):
+        procscan.read_bytes(path)
+    assert 0.5 <= time.monotonic() - started < 2
+    info = reader.blocked[(proc.root, 300)]
+    assert info["reason"] == "blocked" and info["state"] == "D" and info["path"] == path
+    assert info["blocked_threads"][0]["wchan"] == "vm_mmap_pgoff"
+    started = time.monotonic()
+    with pytest.raises(procscan.ReadBlocked):
+        procscan.read_bytes(os.path.join(proc.root, "300", "maps"))   # the same process: no second wait
+    assert time.monotonic() - started < 0.2
+    assert reader.blocked_in(proc.root) == [info]
+
+
+def test_scan_reports_a_blocked_maps_read_and_never_a_client(proc, reader):
+    proc.add(400, comm="python3", maps=ctx(0) + [CTL], fds=["/dev/nvidia0", CTL])
+    proc.add(401, comm="stuck", state="D", maps=ctx(1), fds=["/dev/nvidia1", CTL])
+    block(proc, 401, "maps")
+    result = procscan.scan(proc.root, procscan.DeviceNames(), skip_pids=())
+    assert sorted(result.entries) == [400] and result.entries[400].is_holder
+    assert result.unreadable == [401]
+    assert [(b["pid"], b["state"], b["fd_devices"]) for b in result.blocked] == [(401, "D", ["/dev/nvidia1", CTL])]
+    assert procscan.read_bytes(os.path.join(proc.root, "400", "cmdline")) == b"python3\0"  # a new reader
+
+
+def test_other_proc_files_are_read_directly(proc, reader):
+    proc.add(500, comm="python3")
+    assert procscan.read_stat(500, proc.root)["comm"] == "python3"
+    assert reader.started == 0

@@ -763,6 +763,17 @@ def run(args):
 
 # ---------------------------------------------------------------- evaluation and report
 
+def mispinned(play, truth, names):
+    """'name: truth [..], module [..]' for each process gpu_status did not pin to exactly NVML's GPUs."""
+    by_pid = holders_by_pid(play)
+    wrong = []
+    for n in names:
+        h = by_pid.get(truth["procs"][n]["pid"])
+        if h is None or sorted(h.get("gpus") or []) != truth["procs"][n]["truth_gpus"]:
+            wrong.append("%s: truth %s, module %s" % (n, truth["procs"][n]["truth_gpus"], None if h is None else h.get("gpus")))
+    return wrong
+
+
 def holders_by_pid(play):
     return dict((h.get("pid"), h) for h in (play or {}).get("result", {}).get("holders", []) or [])
 
@@ -818,13 +829,7 @@ def evaluate(doc):
         for play in rnd["plays"]:
             coll = play["collection"]
             if play["step"] == "status":
-                by_pid = holders_by_pid(play)
-                wrong = []
-                for n in names:
-                    h = by_pid.get(truth["procs"][n]["pid"])
-                    if h is None or sorted(h.get("gpus") or []) != truth["procs"][n]["truth_gpus"]:
-                        wrong.append("%s: truth %s, module %s" % (
-                            n, truth["procs"][n]["truth_gpus"], None if h is None else h.get("gpus")))
+                wrong = mispinned(play, truth, names)
                 check(doc, "round %d, %s: gpu_status pins every holder to NVML's GPUs" % (r, coll), not wrong
                       and play["rc"] == 0, "; ".join(wrong) or "all %d right" % len(names))
             elif play["step"] == "check":
@@ -862,13 +867,7 @@ def evaluate_round3(doc, rnd, names, zero_only, on_one):
         coll = play["collection"]
         res = play["result"]
         if play["step"] == "status":
-            by_pid = holders_by_pid(play)
-            wrong = []
-            for n in names:
-                h = by_pid.get(truth["procs"][n]["pid"])
-                if h is None or sorted(h.get("gpus") or []) != truth["procs"][n]["truth_gpus"]:
-                    wrong.append("%s: truth %s, module %s" % (
-                        n, truth["procs"][n]["truth_gpus"], None if h is None else h.get("gpus")))
+            wrong = mispinned(play, truth, names)
             check(doc, "round 3, %s: gpu_status pins every holder to NVML's GPUs" % coll, not wrong and play["rc"] == 0,
                   "; ".join(wrong) or "all %d right" % len(names))
         elif play["step"] == "check":

@@ -25,3 +25,13 @@ def clean_role_lab():
         finally:
             lab.reset()
     return fixture
+
+
+def clean_engine_lab():
+    """Fixture `clean` over an EngineLab `lab`: after each test what it started is killed and every GPU must be free."""
+    @pytest.fixture(name="clean")
+    def fixture(lab):
+        yield lab
+        busy = lab.cleanup()
+        assert not busy, "GPUs still used after clean-up: %s" % busy
+    return fixture

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from _enginelab import EngineLab, host_alive
-from _labfixture import module_lab
+from _labfixture import clean_engine_lab, module_lab
 
 FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
 
@@ -19,11 +19,7 @@ lab = module_lab(lambda: EngineLab("engrl1", ["--nodes", "1", "--containers", "2
                                               "--layout", "102=4,5,6,7"]))
 
 
-@pytest.fixture
-def clean(lab):
-    yield lab
-    busy = lab.cleanup()
-    assert not busy, "GPUs still used after clean-up: %s" % busy
+clean = clean_engine_lab()
 
 
 def signalled_pids(play):

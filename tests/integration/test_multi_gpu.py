@@ -8,21 +8,13 @@ import os
 import signal
 import time
 
-import pytest
-
 from _enginelab import EngineLab, host_alive
-from _labfixture import module_lab
+from _labfixture import clean_engine_lab, module_lab
 
 FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
 
 lab = module_lab(lambda: EngineLab("engmg1", ["--nodes", "1", "--containers", "1", "--gpus", "4"]))
-
-
-@pytest.fixture
-def clean(lab):
-    yield lab
-    busy = lab.cleanup()
-    assert not busy, "GPUs still used after clean-up: %s" % busy
+clean = clean_engine_lab()
 
 
 def plan_pids(play):

@@ -2,9 +2,13 @@
 max_fail_percentage) against the lab, through gpuops.fleet.pct. Truth from `labctl gpus` and /proc."""
 import os
 import re
+import subprocess
+import sys
+
+import pytest
 
 from _labfixture import clean_role_lab, module_lab
-from _rolelab import RoleLab, alive, wave_includes
+from _rolelab import REPO, RoleLab, alive, wave_includes
 
 LAB_ID = os.environ.get("PLAYBOOK_TEST_LAB_ID", "playtest")
 
@@ -29,15 +33,25 @@ def test_gpu_status_reports_the_fleet_and_changes_nothing(clean):
     assert lab.gpus()[("101", 1)] == 384
 
 
+def predeploy_lines(output):
+    """The PREDEPLOY lines, as the README's deploy script greps them."""
+    return re.findall(r'^ *"(PREDEPLOY [^"]*)', output, re.M)
+
+
+def uuid_of(lab, vmid, index):
+    return next(g["uuid"] for g in lab.labctl("gpus") if (g.get("visible_in") or {}).get(str(vmid)) == index)
+
+
 def test_predeploy_check_fails_naming_the_busy_container_and_gpu(clean):
     lab = clean
     holder = lab.run("plain", 102, [0], 512)
     result = lab.playbook("predeploy_check.yml")
-    assert result.rc != 0, result
+    assert result.rc == 2, result   # the documented exit status for a GPU at fault
     assert result.failed_hosts() == ["ct102"], result
-    assert "GPUs at fault: 1" in result.output, result
-    assert re.search(r"ct102: GPU 0 \(GPU-[0-9a-f-]+\): 512 MiB used, holders %d"
-                     % holder["container_holders"][0], result.output), result
+    assert predeploy_lines(result.output) == [
+        "PREDEPLOY FAIL: GPUs at fault: 1",
+        "PREDEPLOY FAULT ct102: GPU 0 (%s): 512 MiB used, holders %d"
+        % (uuid_of(lab, 102, 0), holder["container_holders"][0])], result
     assert alive(holder["holders"][0]), "predeploy_check must not release unless asked"
     assert lab.gpus()[("102", 0)] == 512
 
@@ -46,7 +60,59 @@ def test_predeploy_check_passes_on_free_gpus(clean):
     result = clean.playbook("predeploy_check.yml")
     assert result.rc == 0, result
     assert result.failed_hosts() == [] and len(result.recap) == 6, result
-    assert "every targeted GPU is free on 6 containers" in result.output
+    assert predeploy_lines(result.output) == ["PREDEPLOY OK: every targeted GPU is free on 6 containers"], result
+
+
+def test_predeploy_check_threshold_and_gpu_selection(clean):
+    lab = clean
+    lab.run("plain", 101, [1], 100)
+    # GPU 1 is not targeted: free
+    result = lab.playbook("predeploy_check.yml", {"release_gpus_gpus": [0]}, limit="ct101")
+    assert result.rc == 0 and predeploy_lines(result.output) == [
+        "PREDEPLOY OK: every targeted GPU is free on 1 containers"], result
+    # 100 MiB is under a 128 MiB threshold, over the default 64
+    result = lab.playbook("predeploy_check.yml", {"release_gpus_threshold_mib": 128}, limit="ct101")
+    assert result.rc == 0, result
+    result = lab.playbook("predeploy_check.yml", limit="ct101")
+    assert result.rc == 2 and predeploy_lines(result.output)[0] == "PREDEPLOY FAIL: GPUs at fault: 1", result
+
+
+def test_predeploy_check_exits_4_when_a_container_is_unreachable(clean):
+    lab = clean
+    result = lab.playbook("predeploy_check.yml", {"ansible_host": "127.0.0.1", "ansible_port": 9},
+                          limit="ct203")
+    assert result.rc == 4, result
+    assert predeploy_lines(result.output) == [], result
+
+
+def readme_deploy_script():
+    with open(os.path.join(REPO, "README.md")) as handle:
+        text = handle.read()
+    block = text.split("<!-- predeploy-deploy-script -->", 1)[1].split("<!-- /predeploy-deploy-script -->", 1)[0]
+    return block.split("```sh\n", 1)[1].rsplit("```", 1)[0]
+
+
+@pytest.mark.parametrize("busy", [False, True], ids=["free", "busy"])
+def test_predeploy_readme_deploy_script_deploys_only_on_free_gpus(clean, busy):
+    lab = clean
+    if busy:
+        lab.run("plain", 201, [1], 512)
+    script = os.path.join(lab.workdir, "deploy.sh")
+    with open(script, "w") as handle:
+        handle.write(readme_deploy_script())
+    env = dict(lab.env, INVENTORY=lab.inventory, DEPLOY="echo DEPLOYED",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + lab.env.get("PATH", ""))
+    proc = subprocess.run(["sh", script], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=300, check=False)
+    lines = proc.stdout.splitlines()
+    if busy:
+        assert proc.returncode == 1 and "not deploying: GPUs busy" in proc.stderr, proc
+        assert lines[0] == "PREDEPLOY FAIL: GPUs at fault: 1" and lines[1].startswith(
+            "PREDEPLOY FAULT ct201: GPU 1 (%s): 512 MiB used" % uuid_of(lab, 201, 1)), proc
+        assert "DEPLOYED" not in lines, proc
+    else:
+        assert proc.returncode == 0, proc
+        assert lines == ["PREDEPLOY OK: every targeted GPU is free on 6 containers", "DEPLOYED"], proc
 
 
 def test_predeploy_check_can_release_first(clean):

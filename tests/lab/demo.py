@@ -90,7 +90,10 @@ def run_playbook(inventory, extra_vars, log_path, check=False):
     cmd = [os.path.join(VENV_BIN, "ansible-playbook"), "-i", inventory, PLAYBOOK, "-e", "@" + extra_vars]
     if check:
         cmd.append("--check")
-    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", LAB_ID=LAB_ID)
+    # The gpuops.fleet.gpu_report callback writes a JSON report beside the log; the first run's table is shown.
+    report_json = os.path.splitext(log_path)[0] + ".gpu_report.json"
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", LAB_ID=LAB_ID,
+               ANSIBLE_CALLBACKS_ENABLED="gpuops.fleet.gpu_report", GPUOPS_REPORT_PATH=report_json)
     say("$ " + " ".join(os.path.relpath(c, REPO) if c.startswith(REPO) else c for c in cmd))
     started = time.monotonic()
     with open(log_path, "w") as log:
@@ -109,6 +112,13 @@ def run_playbook(inventory, extra_vars, log_path, check=False):
         r = recap[host]
         say("    %-6s ok=%-3d changed=%-2d unreachable=%d failed=%d"
             % (host, r["ok"], r["changed"], r["unreachable"], r["failed"]))
+    if not getattr(run_playbook, "report_shown", False) and "GPU REPORT" in text:
+        run_playbook.report_shown = True
+        say("  gpuops.fleet.gpu_report (JSON: %s):" % report_json)
+        for line in text.split("GPU REPORT", 1)[1].splitlines()[1:]:
+            if not line.strip() or line.startswith("GPU report written"):
+                break
+            say("    " + line)
     return proc.returncode, recap
 
 

@@ -1,0 +1,322 @@
+# -*- coding: utf-8 -*-
+# Copyright (c) gpuops.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+name: gpu_report
+type: aggregate
+short_description: One table per run of what each GPU held before and after a release
+description:
+  - An aggregate callback that works beside any stdout callback. It reads the results of
+    M(gpuops.fleet.gpu_status), M(gpuops.fleet.gpu_release) and the role C(gpuops.fleet.release_gpus),
+    whether they ran in a container or on a node, and at the end of the run prints one table with a row per
+    node, container and GPU.
+  - Each row shows the MiB used before and after, the rung reached (C(none), C(stop) (freed by stopping a
+    service, no signal), C(sigterm), C(sigkill), C(wait), C(reset)), what was stopped or signalled, and the verdict.
+  - Before is the first reading of the GPU in the run (M(gpuops.fleet.gpu_status), or the C(before) of
+    M(gpuops.fleet.gpu_release)); after is the last. A GPU whose service the role stopped before any reading shows
+    the MiB left after the stop.
+  - "Verdicts: C(freed) (busy before, free after), C(free) (free before and after), C(busy) (still held),
+    C(check) (check mode: nothing was done), C(failed) (no reading after the task failed), C(unreachable)."
+  - The actions repeat only what the modules and the role return, which the modules already redacted
+    (see the C(redact) option of the modules).
+  - Rows are keyed by inventory host. The node is the host variable C(proxmox_node) (set by
+    gpuops.fleet.proxmox_gpu), else C(lab_node), else C(ansible_host); the container is C(pct_vmid),
+    C(proxmox_vmid) or C(vmid), and null for a node.
+version_added: 0.2.0
+author: gpuops (@gpuops)
+requirements:
+  - Enable it with C(callbacks_enabled = gpuops.fleet.gpu_report) in the C([defaults]) section of
+    C(ansible.cfg), or C(ANSIBLE_CALLBACKS_ENABLED=gpuops.fleet.gpu_report).
+options:
+  report_path:
+    description:
+      - Also write the rows as JSON to this file on the controller (for maintenance logs).
+      - The file holds an object with C(rows), a list of objects with the keys C(host), C(node), C(container),
+        C(gpu_uuid), C(gpu_index), C(before_mib), C(after_mib), C(rung), C(verdict) and C(actions) (a list of strings).
+      - Not written when empty.
+    type: path
+    env:
+      - name: GPUOPS_REPORT_PATH
+    ini:
+      - section: gpuops_report
+        key: report_path
+"""
+
+EXAMPLES = r"""
+# ansible.cfg
+# [defaults]
+# callbacks_enabled = gpuops.fleet.gpu_report
+# [gpuops_report]
+# report_path = /var/log/gpuops/window.json
+
+# or, for one run:
+# ANSIBLE_CALLBACKS_ENABLED=gpuops.fleet.gpu_report GPUOPS_REPORT_PATH=/tmp/window.json \
+#   ansible-playbook -i inventory playbooks/release_gpus.yml
+"""
+
+import json
+import os
+
+from ansible.plugins.callback import CallbackBase
+
+STATUS_ACTIONS = ("gpuops.fleet.gpu_status", "gpu_status")
+RELEASE_ACTIONS = ("gpuops.fleet.gpu_release", "gpu_release")
+NODE_VARS = ("proxmox_node", "lab_node", "ansible_host")
+CONTAINER_VARS = ("pct_vmid", "proxmox_vmid", "vmid")
+RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "reset")
+COLUMNS = (("node", "NODE"), ("container", "CT"), ("host", "HOST"), ("gpu_index", "GPU"), ("gpu_uuid", "UUID"),
+           ("before_mib", "BEFORE MiB"), ("after_mib", "AFTER MiB"), ("rung", "RUNG"), ("verdict", "VERDICT"),
+           ("actions", "STOPPED / SIGNALLED"))
+
+
+def _mib(value):
+    return value if isinstance(value, int) else None
+
+
+class HostReport:
+    """What one inventory host's tasks said about its GPUs, in the order they said it."""
+
+    def __init__(self, host):
+        self.host = host
+        self.gpus = {}          # uuid (or index) -> row fields
+        self.stopped = []       # services stopped by the role
+        self.failed = False
+        self.unreachable = False
+        self.check_mode = False
+
+    def gpu(self, entry):
+        key = entry.get("uuid") or "index %s" % entry.get("index")
+        row = self.gpus.setdefault(key, {"gpu_uuid": entry.get("uuid"), "gpu_index": entry.get("index"),
+                                         "before_mib": None, "after_mib": None, "after_read": False,
+                                         "free": None, "rung": "none", "signals": [], "container": None})
+        if entry.get("index") is not None:
+            row["gpu_index"] = entry.get("index")
+        for key in ("vmid", "container"):   # a node-side result naming each GPU's container
+            if entry.get(key) is not None:
+                row["container"] = entry[key]
+        return row
+
+    # ---- module results
+    def add_status(self, res):
+        for entry in res.get("gpus") or []:
+            row = self.gpu(entry)
+            used = _mib((entry.get("memory") or {}).get("used_mib"))
+            if row["before_mib"] is None and not row["after_read"]:
+                row["before_mib"] = used
+                row["was_free"] = bool(entry.get("free"))
+            else:
+                row["after_mib"], row["after_read"] = used, True
+                row["free"] = entry.get("free")
+            if row["free"] is None or not row["after_read"]:
+                row["free"] = entry.get("free")
+
+    def add_release(self, res):
+        before = res.get("before") or []
+        after = res.get("after")
+        actions = res.get("actions") or []
+        plan = res.get("plan") or []
+        if "after" in res and after is None and before:
+            self.check_mode = True   # check mode: the plan, nothing done
+        for entry in before:
+            row = self.gpu(entry)
+            if row["before_mib"] is None:   # the first reading of the run is the before
+                row["before_mib"] = _mib(entry.get("used_mib"))
+                row["was_free"] = bool(entry.get("free"))
+            row["free"] = entry.get("free")
+            pids = {p.get("pid") for p in plan if entry.get("index") in (p.get("gpus") or [])}
+            sent = [a for a in actions if a.get("outcome") == "sent" and a.get("pid") in pids]
+            resets = [a for a in actions if a.get("signal") == "reset" and a.get("name") == "GPU %s" % entry.get("index")]
+            row["signals"] = ["%s %s (%s)" % (a.get("signal"), a.get("pid"), a.get("name")) for a in sent]
+            row["signals"] += ["reset GPU %s: %s" % (entry.get("index"), a.get("outcome")) for a in resets]
+            signals = {a.get("signal") for a in sent}
+            if entry.get("free"):
+                row["rung"] = "none"
+            elif resets:
+                row["rung"] = "reset"
+            elif "SIGKILL" in signals:
+                row["rung"] = "sigkill"
+            elif "SIGTERM" in signals:
+                row["rung"] = "sigterm"
+            else:
+                row["rung"] = res.get("rung_reached") or "none"
+        for entry in after or []:
+            row = self.gpu(entry)
+            row["after_mib"], row["after_read"], row["free"] = _mib(entry.get("used_mib")), True, entry.get("free")
+
+    def add_role_result(self, report):
+        """The role's release_gpus_result fact: its rows win over what the modules said."""
+        self.check_mode = self.check_mode or bool(report.get("check_mode"))
+        if report.get("stopped"):
+            self.stopped = list(report["stopped"])
+        for entry in report.get("gpus") or []:
+            row = self.gpu(entry)
+            if row["before_mib"] is None:
+                row["before_mib"] = _mib(entry.get("before_mib"))
+                row["was_free"] = row["before_mib"] == 0 or entry.get("rung") == "none"
+            row["after_mib"], row["after_read"] = _mib(entry.get("after_mib")), True
+            row["free"] = entry.get("free")
+            row["rung"] = entry.get("rung") or row["rung"]
+            row["signals"] = list(entry.get("signals") or row["signals"])
+
+    # ---- rows
+    def rows(self, node, container):
+        out = []
+        for row in self.gpus.values():
+            before, after = row["before_mib"], row["after_mib"] if row["after_read"] else None
+            if self.check_mode:
+                verdict = "check"
+            elif not row["after_read"] and self.failed:
+                verdict = "failed"
+            elif row["free"]:
+                verdict = "free" if row.get("was_free", True) else "freed"
+            else:
+                verdict = "busy"
+            rung = row["rung"]
+            if rung == "none" and verdict == "freed" and self.stopped:
+                rung = "stop"   # freed by stopping its service, before any signal
+            if after is None and not self.check_mode and not self.failed:
+                after = before   # read once, never released: the reading stands for both
+            out.append({"host": self.host, "node": node, "container": row["container"] if row["container"] is not None
+                        else container, "gpu_uuid": row["gpu_uuid"], "gpu_index": row["gpu_index"],
+                        "before_mib": before, "after_mib": after,
+                        "rung": rung if rung in RUNGS else str(rung), "verdict": verdict,
+                        "actions": ["stopped " + s for s in self.stopped] + row["signals"]})
+        if not out and (self.unreachable or self.failed):
+            out.append({"host": self.host, "node": node, "container": container, "gpu_uuid": None, "gpu_index": None,
+                        "before_mib": None, "after_mib": None, "rung": "none",
+                        "verdict": "unreachable" if self.unreachable else "failed",
+                        "actions": ["stopped " + s for s in self.stopped]})
+        return out
+
+
+def host_place(hostvars, host):
+    """(node, container) of an inventory host from its variables."""
+    container = next((hostvars[k] for k in CONTAINER_VARS if hostvars.get(k) not in (None, "")), None)
+    node = next((hostvars[k] for k in NODE_VARS if hostvars.get(k) not in (None, "")), None)
+    if container is None and hostvars.get("proxmox_node") in (None, "") and hostvars.get("lab_node") in (None, ""):
+        node = host     # a node itself
+    try:
+        container = int(container) if container is not None else None
+    except (TypeError, ValueError):
+        container = str(container)
+    return (str(node) if node is not None else None), container
+
+
+def build_rows(reports, places):
+    """All rows, sorted by node, container, host and GPU index. places: host -> (node, container)."""
+    rows = []
+    for host, report in reports.items():
+        node, container = places.get(host, (host, None))
+        rows.extend(report.rows(node, container))
+    rows.sort(key=lambda r: (str(r["node"]), str(r["container"]), r["host"],
+                             r["gpu_index"] if isinstance(r["gpu_index"], int) else -1, str(r["gpu_uuid"])))
+    return rows
+
+
+def render_table(rows):
+    """Plain text table, one line per row (actions joined by '; ')."""
+    def cell(row, key):
+        value = row.get(key)
+        if key == "actions":
+            return "; ".join(value) if value else "-"
+        return "-" if value is None else str(value)
+    header = [column[1] for column in COLUMNS]
+    body = [[cell(row, column[0]) for column in COLUMNS] for row in rows]
+    widths = [max(len(x) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
+    lines = ["  ".join(v.ljust(w) for v, w in zip(line, widths)).rstrip() for line in [header] + body]
+    return lines
+
+
+def ingest(report, action, res):
+    """Feed one task result (or loop item) into a HostReport."""
+    if res.get("results") and isinstance(res["results"], list):
+        for item in res["results"]:
+            if isinstance(item, dict):
+                ingest(report, action, item)
+        return
+    if action in STATUS_ACTIONS and res.get("gpus"):
+        report.add_status(res)
+    elif action in RELEASE_ACTIONS and (res.get("before") or res.get("after")):
+        report.add_release(res)
+    facts = res.get("ansible_facts") or {}
+    if isinstance(facts.get("release_gpus_release"), dict):
+        report.add_release(facts["release_gpus_release"])
+    if isinstance(facts.get("release_gpus_stop_done"), list):
+        report.stopped = [str(s) for s in facts["release_gpus_stop_done"]]
+    if isinstance(facts.get("release_gpus_result"), dict):
+        report.add_role_result(facts["release_gpus_result"])
+
+
+class CallbackModule(CallbackBase):
+    CALLBACK_VERSION = 2.0
+    CALLBACK_TYPE = "aggregate"
+    CALLBACK_NAME = "gpuops.fleet.gpu_report"
+    CALLBACK_NEEDS_ENABLED = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._reports = {}
+        self._places = {}
+        self._play = None
+
+    def _report(self, result):
+        name = result._host.get_name()
+        if name not in self._places:
+            self._places[name] = host_place(self._hostvars(result._host), name)
+        return self._reports.setdefault(name, HostReport(name))
+
+    def _hostvars(self, host):
+        try:
+            manager = self._play.get_variable_manager() if self._play else None
+            if manager is not None:
+                return manager.get_vars(play=self._play, host=host, include_hostvars=False)
+        except Exception:  # pylint: disable=broad-except  # fall back to the inventory's own variables
+            pass
+        merged = {}
+        for group in sorted(host.get_groups(), key=lambda g: g.depth):
+            merged.update(group.get_vars())
+        merged.update(host.get_vars())
+        return merged
+
+    def _ingest(self, result, failed=False):
+        res = result._result if isinstance(result._result, dict) else {}
+        action = result._task.action if result._task else ""
+        relevant = action in STATUS_ACTIONS + RELEASE_ACTIONS or "ansible_facts" in res or "results" in res
+        if not relevant and not failed:
+            return
+        report = self._report(result)
+        if failed and action in STATUS_ACTIONS + RELEASE_ACTIONS and not res.get("after"):
+            report.failed = True
+        ingest(report, action, res)
+
+    def v2_playbook_on_play_start(self, play):
+        self._play = play
+
+    def v2_runner_on_ok(self, result):
+        self._ingest(result)
+
+    def v2_runner_on_failed(self, result, ignore_errors=False):
+        self._ingest(result, failed=not ignore_errors)
+
+    def v2_runner_on_unreachable(self, result):
+        self._report(result).unreachable = True
+
+    def v2_playbook_on_stats(self, stats):
+        rows = [r for r in build_rows(self._reports, self._places) if r["gpu_uuid"] or r["verdict"] in ("unreachable", "failed")]
+        path = self.get_option("report_path")
+        if not rows and not path:
+            return
+        self._display.banner("GPU REPORT")
+        for line in render_table(rows) if rows else ["no GPU results in this run"]:
+            self._display.display(line)
+        if path:
+            path = os.path.expanduser(path)
+            folder = os.path.dirname(path)
+            if folder:
+                os.makedirs(folder, exist_ok=True)
+            with open(path, "w") as handle:
+                json.dump({"rows": rows}, handle, indent=2, sort_keys=True)
+                handle.write("\n")
+            self._display.display("GPU report written to %s" % path)

@@ -1,0 +1,125 @@
+"""Row building of the gpuops.fleet.gpu_report callback, on results recorded from a lab run of the role
+(role_run_stop_sigkill.json: ct101, supervisord program stopped, GPU 1 held by a SIGTERM-ignoring process)."""
+import copy
+import json
+import os
+
+from ansible.plugins.loader import init_plugin_loader
+
+init_plugin_loader()  # before the import below, as the other plugin tests do: one collection loader for the run
+
+from ansible_collections.gpuops.fleet.plugins.callback import gpu_report  # noqa: E402  pylint: disable=wrong-import-position
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GPU0 = "GPU-58e78f39-28a8-540b-ae76-41136bee224d"
+GPU1 = "GPU-8dfd4597-6ea9-5a96-94c0-19f3426624dc"
+LAB_VARS = {"ansible_host": "127.221.6.1", "pct_vmid": 101, "lab_node": "pve1"}
+
+
+def recorded():
+    with open(os.path.join(HERE, "role_run_stop_sigkill.json")) as handle:
+        return json.load(handle)
+
+
+def rows_of(entries, hostvars=None, failed=()):
+    reports, places = {}, {}
+    for entry in entries:
+        host = entry["host"]
+        report = reports.setdefault(host, gpu_report.HostReport(host))
+        places[host] = gpu_report.host_place(hostvars or LAB_VARS, host)
+        if entry.get("status") == "failed" or host in failed:
+            report.failed = True
+        gpu_report.ingest(report, entry["action"], entry["result"])
+    return gpu_report.build_rows(reports, places)
+
+
+def status_result(used0, used1):
+    return {"host": "ct101", "action": "gpuops.fleet.gpu_status", "result": {"all_free": False, "gpus": [
+        {"index": 0, "uuid": GPU0, "memory": {"used_mib": used0}, "free": used0 == 0},
+        {"index": 1, "uuid": GPU1, "memory": {"used_mib": used1}, "free": used1 == 0}]}}
+
+
+def test_role_run_gives_one_row_per_gpu_with_rung_actions_and_verdict():
+    rows = rows_of(recorded())
+    assert [(r["node"], r["container"], r["gpu_index"], r["gpu_uuid"]) for r in rows] == [
+        ("pve1", 101, 0, GPU0), ("pve1", 101, 1, GPU1)]
+    gpu0, gpu1 = rows
+    assert (gpu1["before_mib"], gpu1["after_mib"], gpu1["rung"], gpu1["verdict"]) == (1536, 0, "sigkill", "freed")
+    stopped = "stopped supervisord program gpuops-respawn-59194816"
+    assert gpu1["actions"] == [stopped, "SIGTERM 10 (python)", "SIGKILL 10 (python)"]
+    # GPU 0 was freed by the stop before gpu_release read it: its first reading is 0
+    assert (gpu0["before_mib"], gpu0["after_mib"], gpu0["rung"], gpu0["verdict"]) == (0, 0, "none", "free")
+    assert gpu0["actions"] == [stopped]
+    for row in rows:
+        assert set(row) >= {"node", "container", "gpu_uuid", "gpu_index", "before_mib", "after_mib", "rung",
+                            "verdict", "actions"}
+
+
+def test_an_earlier_reading_is_the_before_and_a_stop_is_the_rung():
+    rows = rows_of([status_result(1024, 1536)] + recorded())
+    gpu0, gpu1 = rows
+    assert (gpu0["before_mib"], gpu0["after_mib"], gpu0["rung"], gpu0["verdict"]) == (1024, 0, "stop", "freed")
+    assert (gpu1["before_mib"], gpu1["rung"]) == (1536, "sigkill")
+
+
+def test_module_results_alone_without_the_role_fact():
+    entries = [e for e in recorded() if e["action"] in gpu_report.RELEASE_ACTIONS + gpu_report.STATUS_ACTIONS]
+    for entry in entries:
+        entry["action"] = entry["action"].rsplit(".", 1)[-1]     # short names count too
+    gpu1 = rows_of(entries)[1]
+    assert (gpu1["before_mib"], gpu1["after_mib"], gpu1["rung"], gpu1["verdict"]) == (1536, 0, "sigkill", "freed")
+    assert gpu1["actions"] == ["SIGTERM 10 (python)", "SIGKILL 10 (python)"]
+
+
+def test_status_alone_reports_the_reading_as_before_and_after():
+    gpu0, gpu1 = rows_of([status_result(0, 300)])
+    assert (gpu0["before_mib"], gpu0["after_mib"], gpu0["verdict"]) == (0, 0, "free")
+    assert (gpu1["before_mib"], gpu1["after_mib"], gpu1["rung"], gpu1["verdict"]) == (300, 300, "none", "busy")
+
+
+def test_check_mode_release_is_a_check_verdict():
+    release = copy.deepcopy(next(e for e in recorded() if e["action"] == "gpuops.fleet.gpu_release"))
+    release["result"].update(after=None, actions=[], changed=True)
+    rows = rows_of([release])
+    assert [r["verdict"] for r in rows] == ["check", "check"] and rows[1]["after_mib"] is None
+
+
+def test_failed_release_without_a_reading_after_is_failed():
+    release = copy.deepcopy(next(e for e in recorded() if e["action"] == "gpuops.fleet.gpu_release"))
+    del release["result"]["after"]
+    release["status"] = "failed"
+    rows = rows_of([release])
+    assert [(r["before_mib"], r["after_mib"], r["verdict"]) for r in rows] == [(0, None, "failed"), (1536, None, "failed")]
+
+
+def test_loop_results_are_read_item_by_item():
+    status = status_result(0, 64)
+    looped = {"host": "ct101", "action": "gpuops.fleet.gpu_status", "result": {"results": [status["result"]]}}
+    assert [r["after_mib"] for r in rows_of([looped])] == [0, 64]
+
+
+def test_unreachable_host_gets_one_row():
+    report = gpu_report.HostReport("ct102")
+    report.unreachable = True
+    rows = gpu_report.build_rows({"ct102": report}, {"ct102": ("pve1", 102)})
+    assert [(r["node"], r["container"], r["gpu_uuid"], r["verdict"]) for r in rows] == [("pve1", 102, None, "unreachable")]
+
+
+def test_place_from_each_inventory():
+    # gpuops.fleet.proxmox_gpu
+    assert gpu_report.host_place({"proxmox_node": "pve2", "pct_vmid": 201, "ansible_host": "10.0.0.2"}, "ct201") == ("pve2", 201)
+    # the lab's static inventory
+    assert gpu_report.host_place(LAB_VARS, "ct101") == ("pve1", 101)
+    # other spellings of the vmid, and a string vmid
+    assert gpu_report.host_place({"proxmox_vmid": "305", "proxmox_node": "pve3"}, "x") == ("pve3", 305)
+    # a node itself: no container, the node is the host
+    assert gpu_report.host_place({"ansible_host": "127.0.0.9"}, "pve1") == ("pve1", None)
+    # a container known only by vmid and its node's address
+    assert gpu_report.host_place({"vmid": 7, "ansible_host": "10.0.0.7"}, "ct7") == ("10.0.0.7", 7)
+
+
+def test_table_has_a_line_per_row_in_column_order():
+    rows = rows_of(recorded())
+    lines = gpu_report.render_table(rows)
+    assert lines[0].split()[:4] == ["NODE", "CT", "HOST", "GPU"] and len(lines) == 3
+    assert lines[2].split()[:9] == ["pve1", "101", "ct101", "1", GPU1, "1536", "0", "sigkill", "freed"]

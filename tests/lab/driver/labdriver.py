@@ -106,9 +106,14 @@ def gpu_key(text):
     return node, int(minor)
 
 
-def translate_pid(record, caller_pidns, mode):
-    """The pid NVML reports for a record to a caller, or None when hidden (GPU_FACTS row 7)."""
+def translate_pid(record, caller_pidns, mode, node_pidns=None):
+    """The pid NVML reports for a record to a caller, or None when hidden (GPU_FACTS row 7).
+
+    legacy: the host's pid, and a lab node's host view is its own pid namespace (node_pidns)."""
     if mode == "legacy":
+        for ns_inode, pid in record["chain"]:
+            if node_pidns is not None and ns_inode == node_pidns:
+                return pid
         return record["host_pid"]
     for ns_inode, pid in record["chain"]:
         if ns_inode == caller_pidns:
@@ -409,7 +414,7 @@ class Driver:
             for r in records:
                 if r.get("residue_of") is not None:
                     continue  # counted in used, charged to no pid
-                shown = translate_pid(r, caller_ns, mode)
+                shown = translate_pid(r, caller_ns, mode, (self.lab["nodes"].get(node) or {}).get("pidns"))
                 if shown is not None:
                     by_pid[shown] = by_pid.get(shown, 0) + r["mib"]
             procs += ["PROC %d %d %d" % (index, p, m) for p, m in sorted(by_pid.items())]

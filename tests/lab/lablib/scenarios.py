@@ -182,9 +182,7 @@ def run_respawn(lab, ct, node, vmid, minors, mib, extra, cuda_visible=None):
 
 def freeze(lab, ct, result):
     """Freeze the holders in a cgroup v1 freezer: D state, SIGKILL pends until thawed."""
-    node = container.node_config(lab.node_dir(ct["node"]))
-    root = node["freezer_root"]
-    os.makedirs(root, exist_ok=True)
+    root = container.freezer_dir(ct)  # the container's own cgroup in the freezer hierarchy
     group = os.path.join(root, "stuck-%s-%d" % (ct["vmid"], result["host_pids"][0]))
     os.makedirs(group, exist_ok=True)
     for pid in dict.fromkeys(result["host_pids"]):

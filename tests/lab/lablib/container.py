@@ -146,13 +146,13 @@ def _finish(ct, proc, timeout):
         raise LabError("lxc-start %s failed (%d): %s" % (ct["vmid"], proc.returncode, out))
     deadline = time.monotonic() + timeout
     while True:
-        pid = init_pid(ct)[1]
+        node_pid, pid = init_pid(ct)
         if pid and os.path.exists("/proc/%d/root/run/lab-ready" % pid):
             break
         if time.monotonic() > deadline:
             raise LabError("container %s did not start (init %s; see %s)" % (ct["vmid"], pid, log))
         time.sleep(0.02)
-    ct.update(running=True, init_host_pid=pid, pidns_inode=os.stat("/proc/%d/ns/pid" % pid).st_ino)
+    ct.update(running=True, init_host_pid=pid, init_node_pid=node_pid, pidns_inode=os.stat("/proc/%d/ns/pid" % pid).st_ino)
     write_json(config_path(ct["node_dir"], ct["vmid"]), {k: v for k, v in ct.items() if k != "node_dir"})
     return ct
 
@@ -237,7 +237,7 @@ def stop(node_dir, vmid, graceful_timeout=0.0, thaw_first=True, timeout=30.0):
         lxc_stop(node_dir, vmid, kill=True, timeout=timeout)
     if thaw_first:
         _kill_cgroup(ct, node_config(node_dir))
-    ct.update(running=False, init_host_pid=None, pidns_inode=None)
+    ct.update(running=False, init_host_pid=None, init_node_pid=None, pidns_inode=None)
     write_json(path, {k: v for k, v in ct.items() if k != "node_dir"})
     return ct
 

@@ -113,8 +113,6 @@ class Lab:
         try:
             return self._build(shape)
         except BaseException:
-            if os.environ.get("W10_DEBUG"):
-                raise
             try:  # a half-built lab goes away; the build error is the one to report
                 self.down()
             except LabError as exc:
@@ -597,7 +595,9 @@ class Lab:
             for vmid in sorted(ncfg["containers"]):
                 ct = container.load(self.node_dir(node), vmid)
                 nout["containers"][vmid] = {"running": container.is_running(ct),
-                                            "init_host_pid": ct.get("init_host_pid"), "minors": ct["minors"],
+                                            "init_host_pid": ct.get("init_host_pid"),
+                                            "init_node_pid": ct.get("init_node_pid"),
+                                            "unprivileged": bool(ct.get("unprivileged")), "minors": ct["minors"],
                                             "python": ct["python"], "cgroup": ct["cgroup"]}
                 healthy = healthy and nout["containers"][vmid]["running"]
             out["nodes"][node] = nout

@@ -82,16 +82,3 @@ def test_pct_pays_its_start_up_delay(node_dir):
 def test_pct_outside_a_lab_node(tmp_path):
     res = tool("pct", str(tmp_path), "list")
     assert res.returncode == 255 and "lab node not configured" in res.stderr
-
-
-def test_lxc_info(node_dir):
-    res = tool("lxc-info", node_dir, "-n", "101")
-    assert res.stdout.splitlines() == ["Name:           101", "State:          STOPPED"]
-    assert tool("lxc-info", node_dir, "-n", "101", "-p").stdout == ""
-    res = tool("lxc-info", node_dir, "-n", "999")
-    assert res.returncode == 1 and "999 doesn't exist" in res.stderr
-
-
-def test_lxc_attach_refuses_a_stopped_container(node_dir):
-    res = tool("lxc-attach", node_dir, "-n", "101", "--", "true")
-    assert res.returncode == 1 and "Failed to get init pid" in res.stderr

@@ -5,6 +5,7 @@ and the host's /proc, not only against what the module says.
 """
 import os
 import signal
+import time
 
 import pytest
 
@@ -12,6 +13,18 @@ from _enginelab import EngineLab, host_alive
 from _labfixture import module_lab
 
 FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKLOAD = os.path.join(REPO, "tests", "lab", "workloads", "workload.py")
+LAB_PYTHON = os.path.join(REPO, ".lab", "venv", "bin", "python")
+
+
+def wait_until(predicate, timeout=10, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
 
 
 lab = module_lab(lambda: EngineLab("engrl1", ["--nodes", "1", "--containers", "2", "--gpus", "8",
@@ -141,6 +154,29 @@ def test_respawn_is_detected(clean):
     assert play["msg"].startswith("respawned by pid %d (supervisord): stop the service first" % sup)
     assert play["respawned"]["parent_pid"] == sup
     assert run["container_roles"]["holder"] in signalled_pids(play)
+
+
+def test_long_running_sibling_of_the_same_name_is_no_respawn(clean):
+    """Issue 10: under LXCFS /proc/uptime is the container's; the respawn check must not use it.
+
+    supervisord runs two programs of the same command; the released one does not restart, the
+    other has run for a while. It is no respawn: the release succeeds and leaves it alone."""
+    lab = clean
+    sibling = lab.run("respawn", 102, [2])  # long-running supervisord program, same command line
+    time.sleep(1.5)
+    conf = ("[program:gpuops-once]\ncommand=%s %s plain --minors 5 --mib 512 --foreground\n"
+            "autostart=true\nautorestart=false\nstartsecs=0\n" % (LAB_PYTHON, WORKLOAD))
+    wrote = lab.exec(102, "sh", "-c", "cat > /run/supervisor/conf.d/gpuops-once.conf <<'EOF'\n%sEOF\n"
+                     "supervisorctl update" % conf)
+    assert wrote.returncode == 0, wrote.stdout
+    assert wait_until(lambda: lab.used(5) == 512, timeout=20)
+    try:
+        play = lab.play("ct102", "gpu_release", dict(FAST, gpus=[1]))
+        assert not play.failed, play
+        assert lab.used(5) == 0 and "respawned" not in play.result
+        assert host_alive(sibling["holders"][0]) and lab.used(6) == 512
+    finally:
+        lab.exec(102, "sh", "-c", "rm -f /run/supervisor/conf.d/gpuops-once.conf; supervisorctl update")
 
 
 def test_two_releases_of_one_gpu_do_not_both_signal(clean):

@@ -472,7 +472,8 @@ def test_leaked_memory_has_no_process(lab):
 
 def test_two_labs_side_by_side(lab):
     try:
-        labctl("up", "--nodes", "2", "--containers", "1", "--gpus", "1", "--bare", "101", "--nvml-pids", "legacy",
+        labctl("up", "--nodes", "2", "--containers", "1", "--gpus", "1", "--bare", "101", "--unprivileged", "101",
+               "--nvml-pids", "legacy",
                lab_id=OTHER_LAB_ID)
         other = labjson("status", lab_id=OTHER_LAB_ID)
         # Each node's pct sees its own containers only.
@@ -501,6 +502,11 @@ def test_two_labs_side_by_side(lab):
         labctl("exec", "--node", "pve1", "--vmid", "101", "--", bare_py, "-m", "pip", "install", "-q", "--no-index",
                "--find-links", wheels, "psutil", lab_id=OTHER_LAB_ID)
         labctl("exec", "--node", "pve1", "--vmid", "101", "--", bare_py, "-c", "import psutil", lab_id=OTHER_LAB_ID)
+        # Unprivileged: the install went to the container's own venv (uid 100000), nothing of the host changed.
+        site = subprocess.run(["find", other["state"] + "/venvs/101", "-name", "psutil", "-uid", "100000"],
+                              stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
+        assert site.strip() and not os.path.exists(os.path.join(REPO, ".lab", "venv-bare", "lib", "python3.11",
+                                                                "site-packages", "psutil"))
         assert other["nodes"]["pve1"]["address"] != lab["nodes"]["pve1"]["address"]
         assert other["state"] != lab["state"]
         assert ssh_node(other, "pct exec 101 -- hostname", lab_id=OTHER_LAB_ID).stdout.strip() == "ct101"
@@ -529,7 +535,8 @@ def test_real_lxc_containers_lxcfs_and_node_pid_namespaces(lab):
     rows = subprocess.run(["lxc-ls", "-P", lxcpath, "--fancy", "-F", "NAME,STATE,UNPRIVILEGED"],
                           stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout.split("\n")[1:]
     assert sorted(r.split() for r in rows if r.strip()) == [["101", "RUNNING", "false"], ["102", "RUNNING", "true"]]
-    monitors = subprocess.run(["ps", "-eo", "args"], stdout=subprocess.PIPE, universal_newlines=True).stdout
+    monitors = subprocess.run(["ps", "-eo", "args"], stdout=subprocess.PIPE, universal_newlines=True,
+                              check=True).stdout
     assert sorted(ln.split()[-1] for ln in monitors.splitlines()
                   if ln.startswith("[lxc monitor] %s " % lxcpath)) == ["101", "102"]
     with open(os.path.join(lxcpath, "102", "config")) as f:

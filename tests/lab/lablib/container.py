@@ -4,7 +4,7 @@ import os
 import subprocess
 import time
 
-from lablib.common import LabError, pid_alive, read_json, write_json
+from lablib.common import LabError, read_json, write_json
 
 PVE_PATH = "/sbin:/bin:/usr/sbin:/usr/bin"  # pct's run_cli_handler sets it before lxc-attach
 CTINIT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "ctinit.py")
@@ -51,7 +51,7 @@ def lxc_info(node_dir, vmid):
                           universal_newlines=True, check=False)
     state, pid = "STOPPED", None
     for line in proc.stdout.splitlines():
-        key, _, value = line.partition(":")
+        key, dummy, value = line.partition(":")
         if key == "State":
             state = value.strip()
         elif key == "PID" and value.strip().isdigit():

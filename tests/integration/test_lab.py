@@ -389,7 +389,7 @@ def test_node_ssh_and_pct(lab):
     lines = res.stdout.splitlines()
     assert lines[0] == "ct101"
     # The node has its own pid namespace: lxc-info there gives the pid as the node sees it.
-    assert lines[-1].split() == ["PID:", str(lab["nodes"]["pve1"]["containers"]["101"]["init_node_pid"])]
+    assert lines[-1].split() == ["PID:", str(labjson("status")["nodes"]["pve1"]["containers"]["101"]["init_node_pid"])]
     res = ssh_node(lab, "FOO='a b' pct exec 101 -- printenv FOO PATH")
     assert res.stdout.splitlines() == ["a b", "/sbin:/bin:/usr/sbin:/usr/bin"]
     res = ssh_node(lab, "pct exec 109 -- true")
@@ -470,6 +470,44 @@ def test_leaked_memory_has_no_process(lab):
     assert g["used_mib"] == 300 and g["holders"] == [] and g["nvml_pids"] == []
 
 
+def test_real_lxc_containers_lxcfs_and_node_pid_namespaces(lab):
+    """Issue 10: lxc-start under a per-lab lxcpath, an LXC monitor per container, one unprivileged,
+    LXCFS's /proc/uptime inside, and a node that sees only its own processes."""
+    lxcpath = os.path.join(lab["state"], "nodes", "pve1", "lxcpath")
+    rows = subprocess.run(["lxc-ls", "-P", lxcpath, "--fancy", "-F", "NAME,STATE,UNPRIVILEGED"],
+                          stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout.split("\n")[1:]
+    assert sorted(r.split() for r in rows if r.strip()) == [["101", "RUNNING", "false"], ["102", "RUNNING", "true"]]
+    monitors = subprocess.run(["ps", "-eo", "args"], stdout=subprocess.PIPE, universal_newlines=True,
+                              check=True).stdout
+    assert sorted(ln.split()[-1] for ln in monitors.splitlines()
+                  if ln.startswith("[lxc monitor] %s " % lxcpath)) == ["101", "102"]
+    with open(os.path.join(lxcpath, "102", "config")) as f:
+        config = f.read().splitlines()
+    assert "lxc.idmap = u 0 100000 65536" in config and "lxc.cgroup.dir.container = lxc/102" in config
+    init = labjson("status")["nodes"]["pve1"]["containers"]["102"]["init_host_pid"]
+    assert os.stat("/proc/%d" % init).st_uid == 100000  # container root is uid 100000 on the node
+    with open("/proc/uptime") as f:
+        host_uptime = float(f.read().split()[0])
+    inside = float(labctl("exec", "--node", "pve1", "--vmid", "102", "--", "cat", "/proc/uptime").stdout.split()[0])
+    with open("/proc/%d/stat" % init) as f:
+        started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    assert inside < host_uptime - started + 5 and inside < host_uptime - 1
+    mounts = labctl("exec", "--node", "pve1", "--vmid", "101", "--", "cat", "/proc/self/mountinfo").stdout
+    assert [ln for ln in mounts.splitlines() if " /proc/uptime " in ln and "lxcfs" in ln]
+    # The node's pid namespace: its own processes only (sshd, LXC monitors, containers), not the host's.
+    ps = ssh_node(lab, "ps -eo pid=,args=").stdout
+    assert "labctl" not in ps and "labdriver" not in ps and "[lxc monitor]" in ps
+    assert ps.split()[0] == "1"
+
+
+def test_unprivileged_container_writes_no_host_file(lab):
+    script = ("touch /tmp/u /var/tmp/u /run/u /root/u && echo ok; touch /etc/gpuops-u /usr/gpuops-u 2>&1 | wc -l")
+    out = labctl("exec", "--node", "pve1", "--vmid", "102", "--", "sh", "-c", script).stdout.split()
+    assert out == ["ok", "2"]
+    for path in ("/var/tmp/u", "/root/u", "/etc/gpuops-u", "/usr/gpuops-u"):
+        assert not os.path.exists(path)
+
+
 def test_two_labs_side_by_side(lab):
     try:
         labctl("up", "--nodes", "2", "--containers", "1", "--gpus", "1", "--bare", "101", "--unprivileged", "101",
@@ -527,40 +565,3 @@ def test_down_leaves_nothing(lab):
         socket.create_connection((address, 22), timeout=1).close()
     assert labctl("status", check=False).returncode == 3
 
-
-def test_real_lxc_containers_lxcfs_and_node_pid_namespaces(lab):
-    """Issue 10: lxc-start under a per-lab lxcpath, an LXC monitor per container, one unprivileged,
-    LXCFS's /proc/uptime inside, and a node that sees only its own processes."""
-    lxcpath = os.path.join(lab["state"], "nodes", "pve1", "lxcpath")
-    rows = subprocess.run(["lxc-ls", "-P", lxcpath, "--fancy", "-F", "NAME,STATE,UNPRIVILEGED"],
-                          stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout.split("\n")[1:]
-    assert sorted(r.split() for r in rows if r.strip()) == [["101", "RUNNING", "false"], ["102", "RUNNING", "true"]]
-    monitors = subprocess.run(["ps", "-eo", "args"], stdout=subprocess.PIPE, universal_newlines=True,
-                              check=True).stdout
-    assert sorted(ln.split()[-1] for ln in monitors.splitlines()
-                  if ln.startswith("[lxc monitor] %s " % lxcpath)) == ["101", "102"]
-    with open(os.path.join(lxcpath, "102", "config")) as f:
-        config = f.read().splitlines()
-    assert "lxc.idmap = u 0 100000 65536" in config and "lxc.cgroup.dir.container = lxc/102" in config
-    init = lab["nodes"]["pve1"]["containers"]["102"]["init_host_pid"]
-    assert os.stat("/proc/%d" % init).st_uid == 100000  # container root is uid 100000 on the node
-    with open("/proc/uptime") as f:
-        host_uptime = float(f.read().split()[0])
-    inside = float(labctl("exec", "--node", "pve1", "--vmid", "102", "--", "cat", "/proc/uptime").stdout.split()[0])
-    with open("/proc/%d/stat" % init) as f:
-        started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
-    assert inside < host_uptime - started + 5 and inside < host_uptime - 1
-    mounts = labctl("exec", "--node", "pve1", "--vmid", "101", "--", "cat", "/proc/self/mountinfo").stdout
-    assert [ln for ln in mounts.splitlines() if " /proc/uptime " in ln and "lxcfs" in ln]
-    # The node's pid namespace: its own processes only (sshd, LXC monitors, containers), not the host's.
-    ps = ssh_node(lab, "ps -eo pid=,args=").stdout
-    assert "labctl" not in ps and "labdriver" not in ps and "[lxc monitor]" in ps
-    assert ps.split()[0] == "1"
-
-
-def test_unprivileged_container_writes_no_host_file(lab):
-    script = ("touch /tmp/u /var/tmp/u /run/u /root/u && echo ok; touch /etc/gpuops-u /usr/gpuops-u 2>&1 | wc -l")
-    out = labctl("exec", "--node", "pve1", "--vmid", "102", "--", "sh", "-c", script).stdout.split()
-    assert out == ["ok", "2"]
-    for path in ("/var/tmp/u", "/root/u", "/etc/gpuops-u", "/usr/gpuops-u"):
-        assert not os.path.exists(path)

@@ -109,11 +109,13 @@ def gpu_key(text):
 def translate_pid(record, caller_pidns, mode, node_pidns=None):
     """The pid NVML reports for a record to a caller, or None when hidden (GPU_FACTS row 7).
 
-    legacy: the host's pid, and a lab node's host view is its own pid namespace (node_pidns)."""
+    legacy: the host's pid; for callers on a lab node (or in its containers) the host is the node,
+    so the pid in the node's pid namespace (node_pidns)."""
     if mode == "legacy":
-        for ns_inode, pid in record["chain"]:
-            if node_pidns is not None and ns_inode == node_pidns:
-                return pid
+        if node_pidns is not None and caller_pidns != pidns_inode(os.getpid()):
+            for ns_inode, pid in record["chain"]:
+                if ns_inode == node_pidns:
+                    return pid
         return record["host_pid"]
     for ns_inode, pid in record["chain"]:
         if ns_inode == caller_pidns:

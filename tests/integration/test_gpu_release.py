@@ -159,24 +159,28 @@ def test_respawn_is_detected(clean):
 def test_long_running_sibling_of_the_same_name_is_no_respawn(clean):
     """Issue 10: under LXCFS /proc/uptime is the container's; the respawn check must not use it.
 
-    supervisord runs two programs of the same command; the released one does not restart, the
-    other has run for a while. It is no respawn: the release succeeds and leaves it alone."""
+    supervisord runs two programs named python: the released one does not restart, the other (no GPU,
+    so not seen before the kill) has run for a while. It is no respawn: the release succeeds."""
     lab = clean
-    sibling = lab.run("respawn", 102, [2])  # long-running supervisord program, same command line
-    time.sleep(1.5)
-    conf = ("[program:gpuops-once]\ncommand=%s %s plain --minors 5 --mib 512 --foreground\n"
-            "autostart=true\nautorestart=false\nstartsecs=0\n" % (LAB_PYTHON, WORKLOAD))
-    wrote = lab.exec(102, "sh", "-c", "cat > /run/supervisor/conf.d/gpuops-once.conf <<'EOF'\n%sEOF\n"
-                     "supervisorctl update" % conf)
-    assert wrote.returncode == 0, wrote.stdout
-    assert wait_until(lambda: lab.used(5) == 512, timeout=20)
+    programs = {"gpuops-sibling": "%s -c 'import time; time.sleep(600)'" % LAB_PYTHON,
+                "gpuops-once": "%s %s plain --minors 5 --mib 512 --foreground" % (LAB_PYTHON, WORKLOAD)}
     try:
+        for name, command in sorted(programs.items(), reverse=True):  # the sibling first
+            conf = "[program:%s]\ncommand=%s\nautostart=true\nautorestart=false\nstartsecs=0\n" % (name, command)
+            wrote = lab.exec(102, "sh", "-c", "cat > /run/supervisor/conf.d/%s.conf <<'EOF'\n%sEOF\n"
+                             "supervisorctl update" % (name, conf))
+            assert wrote.returncode == 0, wrote.stdout
+            time.sleep(1.5)
+        assert wait_until(lambda: lab.used(5) == 512, timeout=20)
+        sibling = lab.exec(102, "supervisorctl", "pid", "gpuops-sibling").stdout.strip()
+        assert sibling.isdigit()
         play = lab.play("ct102", "gpu_release", dict(FAST, gpus=[1]))
         assert not play.failed, play
         assert lab.used(5) == 0 and not play.get("respawned")
-        assert host_alive(sibling["holders"][0]) and lab.used(6) == 512
+        assert lab.exec(102, "supervisorctl", "pid", "gpuops-sibling").stdout.strip() == sibling
     finally:
-        lab.exec(102, "sh", "-c", "rm -f /run/supervisor/conf.d/gpuops-once.conf; supervisorctl update")
+        lab.exec(102, "sh", "-c", "rm -f /run/supervisor/conf.d/gpuops-sibling.conf "
+                 "/run/supervisor/conf.d/gpuops-once.conf; supervisorctl update")
 
 
 def test_two_releases_of_one_gpu_do_not_both_signal(clean):

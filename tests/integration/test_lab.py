@@ -564,4 +564,3 @@ def test_down_leaves_nothing(lab):
     with pytest.raises(OSError):
         socket.create_connection((address, 22), timeout=1).close()
     assert labctl("status", check=False).returncode == 3
-

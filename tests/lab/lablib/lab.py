@@ -66,7 +66,7 @@ class Lab:
         ct = container.load(self.node_dir(node), str(vmid))
         if ct is None:
             raise LabError("no container %s on node %s" % (vmid, node))
-        return ct
+        return _live(ct)
 
     def find_node(self, vmid):
         for node, ncfg in self.config["nodes"].items():
@@ -593,8 +593,8 @@ class Lab:
                     "sshd_alive": pid_alive(ncfg.get("sshd_pid")), "gpus": ncfg["gpus"], "containers": {}}
             healthy = healthy and nout["sshd_alive"]
             for vmid in sorted(ncfg["containers"]):
-                ct = container.load(self.node_dir(node), vmid)
-                nout["containers"][vmid] = {"running": container.is_running(ct),
+                ct = _live(container.load(self.node_dir(node), vmid))
+                nout["containers"][vmid] = {"running": bool(ct.get("init_host_pid")),
                                             "init_host_pid": ct.get("init_host_pid"),
                                             "init_node_pid": ct.get("init_node_pid"),
                                             "unprivileged": bool(ct.get("unprivileged")), "minors": ct["minors"],
@@ -825,6 +825,15 @@ def _rmdir(path, problems):
         except OSError:
             time.sleep(0.02)
     problems.append("cgroup %s" % path)
+
+
+def _live(ct):
+    """The record with init pids asked of LXC now (pct start on a node records only the node's view)."""
+    node_pid, host_pid = container.init_pid(ct)
+    ct.update(init_node_pid=node_pid, init_host_pid=host_pid, running=bool(host_pid))
+    if host_pid:
+        ct["pidns_inode"] = os.stat("/proc/%d/ns/pid" % host_pid).st_ino
+    return ct
 
 
 def _tail(path, lines=5):

@@ -245,7 +245,7 @@ class Lab:
                                         "unprivileged": unpriv}
         # Stand-ins seen at Proxmox's paths inside the node's mount namespace.
         # pct decodes its arguments by the node's locale: Python must not coerce a C locale to UTF-8.
-        write_file(os.path.join(ndir, "sbin", "pct"), "#!/bin/sh\nPYTHONCOERCECLOCALE=0 exec %s -s -B %s --node-dir %s \"$@\"\n"
+        write_file(os.path.join(ndir, "sbin", "pct"), "#!/bin/sh\nPYTHONCOERCECLOCALE=0 exec %s -sB %s --node-dir %s \"$@\"\n"
                    % (py, os.path.join(LAB_DIR, "node", "pct"), ndir), 0o755)
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", node, "-f", os.path.join(ndir, "ssh_host_ed25519_key")])
         self._node_user(ndir)

@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 SITE := $(VENV)/lib/python3.11/site-packages
 COLL_LINK := $(SITE)/ansible_collections/gpuops/fleet
 WHEELS := .cache/wheels
-APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo openssl python3-venv shellcheck
+APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo openssl python3-venv shellcheck lxc lxcfs
 
 .PHONY: all venv system-packages test sanity unit lint integration demo bench gpu-facts clean lab-down
 

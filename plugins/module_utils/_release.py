@@ -711,10 +711,18 @@ class Releaser(object):
 
 
 def _now_ticks(proc_root="/proc"):
-    """Now, in the clock ticks since boot that /proc/PID/stat's starttime uses."""
+    """Now, in the clock ticks since boot that /proc/PID/stat's starttime uses.
+
+    starttime counts CLOCK_BOOTTIME from the node's boot. /proc/uptime is no such clock inside a
+    Proxmox container: LXCFS replaces it with the container's uptime. So the live /proc is compared
+    with CLOCK_BOOTTIME itself; only a recorded /proc tree (tests) supplies its own uptime file.
+    """
     try:
-        uptime = float(procscan.read_text("%s/uptime" % proc_root).split()[0])
-        return int(uptime * os.sysconf("SC_CLK_TCK")) - 1
+        if proc_root == "/proc" and hasattr(time, "CLOCK_BOOTTIME"):
+            seconds = time.clock_gettime(time.CLOCK_BOOTTIME)
+        else:
+            seconds = float(procscan.read_text("%s/uptime" % proc_root).split()[0])
+        return int(seconds * os.sysconf("SC_CLK_TCK")) - 1
     except (OSError, ValueError, IndexError):
         return 0
 

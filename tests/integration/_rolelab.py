@@ -60,8 +60,8 @@ class RoleLab:
         vmids = [str(n * 100 + c) for n in range(1, nodes + 1) for c in range(1, containers + 1)]
         for vmid in vmids:
             layout += ["--layout", "%s=%s" % (vmid, ",".join(str(m) for m in LAYOUT[vmid]))]
-        for vmid in bare:
-            layout += ["--bare", str(vmid)]
+        for vmid in bare:  # a bare container is also unprivileged: the role installs into it as uid 100000
+            layout += ["--bare", str(vmid), "--unprivileged", str(vmid)]
         self.labctl("up", "--nodes", str(nodes), "--containers", str(containers), *layout)
         self.inventory = self.labctl("inventory", parse=False)
         self.vmids = vmids

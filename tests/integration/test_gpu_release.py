@@ -13,6 +13,18 @@ from _enginelab import EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab
 
 FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+WORKLOAD = os.path.join(REPO, "tests", "lab", "workloads", "workload.py")
+LAB_PYTHON = os.path.join(REPO, ".lab", "venv", "bin", "python")
+
+
+def wait_until(predicate, timeout=10, interval=0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return predicate()
 
 
 lab = module_lab(lambda: EngineLab("engrl1", ["--nodes", "1", "--containers", "2", "--gpus", "8",
@@ -138,6 +150,33 @@ def test_respawn_is_detected(clean):
     assert play["msg"].startswith("respawned by pid %d (supervisord): stop the service first" % sup)
     assert play["respawned"]["parent_pid"] == sup
     assert run["container_roles"]["holder"] in signalled_pids(play)
+
+
+def test_long_running_sibling_of_the_same_name_is_no_respawn(clean):
+    """Issue 10: under LXCFS /proc/uptime is the container's; the respawn check must not use it.
+
+    supervisord runs two programs named python: the released one does not restart, the other (no GPU,
+    so not seen before the kill) has run for a while. It is no respawn: the release succeeds."""
+    lab = clean
+    programs = {"gpuops-sibling": "%s -c 'import time; time.sleep(600)'" % LAB_PYTHON,
+                "gpuops-once": "%s %s plain --minors 5 --mib 512 --foreground" % (LAB_PYTHON, WORKLOAD)}
+    try:
+        for name, command in sorted(programs.items(), reverse=True):  # the sibling first
+            conf = "[program:%s]\ncommand=%s\nautostart=true\nautorestart=false\nstartsecs=0\n" % (name, command)
+            wrote = lab.exec(102, "sh", "-c", "cat > /run/supervisor/conf.d/%s.conf <<'EOF'\n%sEOF\n"
+                             "supervisorctl update" % (name, conf))
+            assert wrote.returncode == 0, wrote.stdout
+            time.sleep(1.5)
+        assert wait_until(lambda: lab.used(5) == 512, timeout=20)
+        sibling = lab.exec(102, "supervisorctl", "pid", "gpuops-sibling").stdout.strip()
+        assert sibling.isdigit()
+        play = lab.play("ct102", "gpu_release", dict(FAST, gpus=[1]))
+        assert not play.failed, play
+        assert lab.used(5) == 0 and not play.get("respawned")
+        assert lab.exec(102, "supervisorctl", "pid", "gpuops-sibling").stdout.strip() == sibling
+    finally:
+        lab.exec(102, "sh", "-c", "rm -f /run/supervisor/conf.d/gpuops-sibling.conf "
+                 "/run/supervisor/conf.d/gpuops-once.conf; supervisorctl update")
 
 
 def test_two_releases_of_one_gpu_do_not_both_signal(clean):

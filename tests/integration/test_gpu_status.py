@@ -76,7 +76,8 @@ def test_plain_holder_with_redacted_cmdline(scene):
     h = holder(scene["ct101"], pid)
     assert h["via"] == ["fd", "mmap"] and h["gpus"] == [0] and not h["defunct_leader"]
     assert "--api-key ********" in h["cmdline"] and "sk-secret" not in scene["ct101"].output
-    assert h["nspid"] == [pid] and "/lxc/101/ns" in h["cgroup"] and h["user"] == "root"
+    # LXC's cgroup namespace: inside, the container's cgroup is the root; lxc-attach puts tasks in /.lxc.
+    assert h["nspid"] == [pid] and h["cgroup"] in ("/", "/.lxc") and h["user"] == "root"
     nvml = gpu(scene["ct101"], 0)["nvml_processes"]
     assert [(p["pid"], p["status"], p["used_mib"]) for p in nvml] == [(pid, "holder", 1024)]
     assert any(line.startswith("pid %d (" % pid) and "SIGTERM, then SIGKILL to %d frees it" % pid in line
@@ -241,7 +242,7 @@ legacy_lab = module_lab(lambda: EngineLab("englg1", ["--nodes", "1", "--containe
 
 def test_legacy_nvml_host_pids_are_not_trusted(legacy_lab):
     run = legacy_lab.run("plain", 101, [1], mib=1024)
-    host_pid, ct_pid = run["holders"][0], run["container_holders"][0]
+    host_pid, ct_pid = run["node_holders"][0], run["container_holders"][0]  # the node is the host
     play = legacy_lab.play("ct101", "gpu_status")
     assert not play.failed, play
     g = gpu(play, 1)

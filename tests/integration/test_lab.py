@@ -94,7 +94,7 @@ def lab_leftovers(lab_id):
 @pytest.fixture(scope="module")
 def lab():
     try:
-        labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3")
+        labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3", "--unprivileged", "102")
         st = labjson("status")
         yield st
     finally:
@@ -172,7 +172,7 @@ def test_up_is_idempotent_and_healthy(lab):
     assert lab["healthy"] is True
     again = labjson("status")
     before = {v: c["init_host_pid"] for v, c in lab["nodes"]["pve1"]["containers"].items()}
-    labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3")
+    labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3", "--unprivileged", "102")
     after = {v: c["init_host_pid"] for v, c in labjson("status")["nodes"]["pve1"]["containers"].items()}
     assert before == after, "a second up must not restart running containers"
     assert again["nodes"]["pve1"]["address"].startswith("127.")
@@ -182,7 +182,7 @@ def test_up_restarts_a_dead_container_and_exec_passes_exit_status(lab):
     old = labjson("status")["nodes"]["pve1"]["containers"]["101"]["init_host_pid"]
     os.kill(old, signal.SIGKILL)
     assert wait_until(lambda: labctl("status", check=False).returncode == 1)
-    labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3")
+    labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3", "--unprivileged", "102")
     st = labjson("status")
     assert st["healthy"] and st["nodes"]["pve1"]["containers"]["101"]["init_host_pid"] != old
     lab["nodes"]["pve1"]["containers"]["101"]["init_host_pid"] = st["nodes"]["pve1"]["containers"]["101"]["init_host_pid"]
@@ -347,7 +347,7 @@ def test_ipc_consumer_keeps_the_dead_producers_memory(lab):
 def test_free_delay_memory_stays_after_reaping(lab):
     for delay in (0.15, 0.6):
         if delay != 0.15:
-            labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3",
+            labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3", "--unprivileged", "102",
                    "--free-delay", str(delay))
         try:
             res = labjson("run", "plain", "--node", "pve1", "--vmid", "102", "--gpus", "1", "--mib", "256")
@@ -361,7 +361,7 @@ def test_free_delay_memory_stays_after_reaping(lab):
             assert delay - 0.1 <= time.monotonic() - gone <= delay + 0.4
         finally:
             if delay != 0.15:
-                labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3")
+                labctl("up", "--nodes", "1", "--containers", "2", "--gpus", "4", "--layout", "102=2,3", "--unprivileged", "102")
     with open(os.path.join(lab["state"], "lab.json")) as f:
         assert json.load(f)["free_delay_s"] == 0.15
 
@@ -388,7 +388,8 @@ def test_node_ssh_and_pct(lab):
     assert res.returncode == 0, res.stderr
     lines = res.stdout.splitlines()
     assert lines[0] == "ct101"
-    assert lines[-1].split() == ["PID:", str(lab["nodes"]["pve1"]["containers"]["101"]["init_host_pid"])]
+    # The node has its own pid namespace: lxc-info there gives the pid as the node sees it.
+    assert lines[-1].split() == ["PID:", str(labjson("status")["nodes"]["pve1"]["containers"]["101"]["init_node_pid"])]
     res = ssh_node(lab, "FOO='a b' pct exec 101 -- printenv FOO PATH")
     assert res.stdout.splitlines() == ["a b", "/sbin:/bin:/usr/sbin:/usr/bin"]
     res = ssh_node(lab, "pct exec 109 -- true")
@@ -469,9 +470,48 @@ def test_leaked_memory_has_no_process(lab):
     assert g["used_mib"] == 300 and g["holders"] == [] and g["nvml_pids"] == []
 
 
+def test_real_lxc_containers_lxcfs_and_node_pid_namespaces(lab):
+    """Issue 10: lxc-start under a per-lab lxcpath, an LXC monitor per container, one unprivileged,
+    LXCFS's /proc/uptime inside, and a node that sees only its own processes."""
+    lxcpath = os.path.join(lab["state"], "nodes", "pve1", "lxcpath")
+    rows = subprocess.run(["lxc-ls", "-P", lxcpath, "--fancy", "-F", "NAME,STATE,UNPRIVILEGED"],
+                          stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout.split("\n")[1:]
+    assert sorted(r.split() for r in rows if r.strip()) == [["101", "RUNNING", "false"], ["102", "RUNNING", "true"]]
+    monitors = subprocess.run(["ps", "-eo", "args"], stdout=subprocess.PIPE, universal_newlines=True,
+                              check=True).stdout
+    assert sorted(ln.split()[-1] for ln in monitors.splitlines()
+                  if ln.startswith("[lxc monitor] %s " % lxcpath)) == ["101", "102"]
+    with open(os.path.join(lxcpath, "102", "config")) as f:
+        config = f.read().splitlines()
+    assert "lxc.idmap = u 0 100000 65536" in config and "lxc.cgroup.dir.container = lxc/102" in config
+    init = labjson("status")["nodes"]["pve1"]["containers"]["102"]["init_host_pid"]
+    assert os.stat("/proc/%d" % init).st_uid == 100000  # container root is uid 100000 on the node
+    with open("/proc/uptime") as f:
+        host_uptime = float(f.read().split()[0])
+    inside = float(labctl("exec", "--node", "pve1", "--vmid", "102", "--", "cat", "/proc/uptime").stdout.split()[0])
+    with open("/proc/%d/stat" % init) as f:
+        started = int(f.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    assert inside < host_uptime - started + 5 and inside < host_uptime - 1
+    mounts = labctl("exec", "--node", "pve1", "--vmid", "101", "--", "cat", "/proc/self/mountinfo").stdout
+    assert [ln for ln in mounts.splitlines() if " /proc/uptime " in ln and "lxcfs" in ln]
+    # The node's pid namespace: its own processes only (sshd, LXC monitors, containers), not the host's.
+    ps = ssh_node(lab, "ps -eo pid=,args=").stdout
+    assert "labctl" not in ps and "labdriver" not in ps and "[lxc monitor]" in ps
+    assert ps.split()[0] == "1"
+
+
+def test_unprivileged_container_writes_no_host_file(lab):
+    script = ("touch /tmp/u /var/tmp/u /run/u /root/u && echo ok; touch /etc/gpuops-u /usr/gpuops-u 2>&1 | wc -l")
+    out = labctl("exec", "--node", "pve1", "--vmid", "102", "--", "sh", "-c", script).stdout.split()
+    assert out == ["ok", "2"]
+    for path in ("/var/tmp/u", "/root/u", "/etc/gpuops-u", "/usr/gpuops-u"):
+        assert not os.path.exists(path)
+
+
 def test_two_labs_side_by_side(lab):
     try:
-        labctl("up", "--nodes", "2", "--containers", "1", "--gpus", "1", "--bare", "101", "--nvml-pids", "legacy",
+        labctl("up", "--nodes", "2", "--containers", "1", "--gpus", "1", "--bare", "101", "--unprivileged", "101",
+               "--nvml-pids", "legacy",
                lab_id=OTHER_LAB_ID)
         other = labjson("status", lab_id=OTHER_LAB_ID)
         # Each node's pct sees its own containers only.
@@ -485,13 +525,12 @@ def test_two_labs_side_by_side(lab):
                 "print([p.pid for p in n.nvmlDeviceGetComputeRunningProcesses(n.nvmlDeviceGetHandleByIndex(0))])")
         py = other["nodes"]["pve2"]["containers"]["201"]["python"]
         out = labctl("exec", "--node", "pve2", "--vmid", "201", "--", py, "-c", code, lab_id=OTHER_LAB_ID).stdout
-        assert json.loads(out) == held["host_pids"] != held["pids"]
+        assert json.loads(out) == held["node_pids"] != held["pids"]
         # pct shutdown: init stops supervisord and exits; nothing is left in the cgroup.
         res = ssh_node(other, "pct shutdown 201 && pct status 201", node="pve2")
         assert res.stdout.strip() == "status: stopped", res.stderr
         cgroup = other["nodes"]["pve2"]["containers"]["201"]["cgroup"]
-        with open(cgroup2_root() + cgroup + "/cgroup.procs") as f:
-            assert f.read() == ""
+        assert not os.path.exists(cgroup2_root() + cgroup), "LXC removes the container's cgroup when it stops"
         bare_py = other["nodes"]["pve1"]["containers"]["101"]["python"]
         assert bare_py == other["state"] + "/venvs/101/bin/python", "a bare python of its own, in STATE"
         res = labctl("exec", "--node", "pve1", "--vmid", "101", "--", bare_py, "-c", "import psutil",
@@ -501,6 +540,11 @@ def test_two_labs_side_by_side(lab):
         labctl("exec", "--node", "pve1", "--vmid", "101", "--", bare_py, "-m", "pip", "install", "-q", "--no-index",
                "--find-links", wheels, "psutil", lab_id=OTHER_LAB_ID)
         labctl("exec", "--node", "pve1", "--vmid", "101", "--", bare_py, "-c", "import psutil", lab_id=OTHER_LAB_ID)
+        # Unprivileged: the install went to the container's own venv (uid 100000), nothing of the host changed.
+        site = subprocess.run(["find", other["state"] + "/venvs/101", "-name", "psutil", "-uid", "100000"],
+                              stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
+        assert site.strip() and not os.path.exists(os.path.join(REPO, ".lab", "venv-bare", "lib", "python3.11",
+                                                                "site-packages", "psutil"))
         assert other["nodes"]["pve1"]["address"] != lab["nodes"]["pve1"]["address"]
         assert other["state"] != lab["state"]
         assert ssh_node(other, "pct exec 101 -- hostname", lab_id=OTHER_LAB_ID).stdout.strip() == "ct101"

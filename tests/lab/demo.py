@@ -138,7 +138,7 @@ def main():
         layout_args = []
         for vmid, minors in sorted(LAYOUT.items()):
             layout_args += ["--layout", "%s=%s" % (vmid, ",".join(str(m) for m in minors))]
-        status = labctl("up", "--nodes", "2", "--containers", "3", *layout_args)
+        status = labctl("up", "--nodes", "2", "--containers", "3", "--unprivileged", "203", *layout_args)
         for node, info in sorted(status["nodes"].items()):
             say("  %s at %s (sshd pid %s): containers %s" % (
                 node, info["address"], info["sshd_pid"],

@@ -108,9 +108,16 @@ def gpu_key(text):
     return node, int(minor)
 
 
-def translate_pid(record, caller_pidns, mode):
-    """The pid NVML reports for a record to a caller, or None when hidden (GPU_FACTS row 7)."""
+def translate_pid(record, caller_pidns, mode, node_pidns=None):
+    """The pid NVML reports for a record to a caller, or None when hidden (GPU_FACTS row 7).
+
+    legacy: the host's pid; for callers on a lab node (or in its containers) the host is the node,
+    so the pid in the node's pid namespace (node_pidns)."""
     if mode == "legacy":
+        if node_pidns is not None and caller_pidns != pidns_inode(os.getpid()):
+            for ns_inode, pid in record["chain"]:
+                if ns_inode == node_pidns:
+                    return pid
         return record["host_pid"]
     for ns_inode, pid in record["chain"]:
         if ns_inode == caller_pidns:
@@ -441,7 +448,7 @@ class Driver:
             for r in records:
                 if r.get("residue_of") is not None:
                     continue  # counted in used, charged to no pid
-                shown = translate_pid(r, caller_ns, mode)
+                shown = translate_pid(r, caller_ns, mode, (self.lab["nodes"].get(node) or {}).get("pidns"))
                 if shown is not None:
                     by_pid[shown] = by_pid.get(shown, 0) + r["mib"]
             procs += ["PROC %d %d %d" % (index, p, m) for p, m in sorted(by_pid.items())]

@@ -42,6 +42,8 @@ def parser():
     up.add_argument("--nvml-pids", choices=("modern", "legacy"), default="modern")
     up.add_argument("--bare", action="append", default=[], metavar="VMID",
                     help="container whose python has no packages (repeatable)")
+    up.add_argument("--unprivileged", action="append", default=[], metavar="VMID",
+                    help="make this container unprivileged (lxc.idmap u/g 0 100000 65536; repeatable)")
     up.add_argument("--free-delay", type=float, default=None, metavar="S",
                     help="seconds a freed allocation stays used and listed (default 0.15)")
     sub.add_parser("down", help="remove every process, cgroup and file of the lab")
@@ -92,7 +94,7 @@ def main(argv):
     try:
         if args.command == "up":
             lab.up(args.nodes, args.containers, args.gpus, dict(args.layout), args.nvml_pids, args.bare,
-                   args.free_delay)
+                   args.free_delay, args.unprivileged)
             print(json.dumps(lab.status(), sort_keys=True))
         elif args.command == "down":
             lab.down()
@@ -120,7 +122,7 @@ def main(argv):
             # Like pct exec: environment kept, SSL_CERT_* dropped, Proxmox's PATH.
             env = {k: v for k, v in os.environ.items() if not k.startswith("SSL_CERT_")}
             env["PATH"] = container.PVE_PATH
-            os.execve(argv[0], argv, env)
+            os.execvpe(argv[0], argv, env)
         elif args.command == "run":
             extra = extra[1:] if extra[:1] == ["--"] else extra
             result = scenarios.run(lab, args.scenario, args.node, args.vmid, args.gpus, args.mib, extra,

@@ -3,13 +3,14 @@
 import fcntl
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
 import sys
 import time
 
-from lablib import container, pveapi
+from lablib import container, pveapi, sysutil
 from lablib.common import (DEFAULT_PCT_DELAY, LAB_DIR, REPO, STATE_ROOT, LabError, cgroup2_mount,
                            freezer_mount, node_address, node_name, pid_alive, read_json, rmtree_quiet,
                            run_id, state_dir, vmid_for, wait_for, write_file, write_json)
@@ -17,6 +18,7 @@ from lablib.common import (DEFAULT_PCT_DELAY, LAB_DIR, REPO, STATE_ROOT, LabErro
 GPU_DEV_SIZE = 4096
 DEFAULT_FREE_DELAY = 0.15  # seconds from the last reference to memory back (the driver's FREE_DELAY_S)
 NODE_USER, NODE_UID = "gpuops", 4242  # non-root node user with sudo (for become on the node)
+UNPRIV_BASE = 100000  # lxc.idmap = u 0 100000 65536: container root on the node
 WHEELS = os.path.join(REPO, ".cache", "wheels")
 VENV = os.path.join(REPO, ".lab", "venv")
 VENV_BARE = os.path.join(REPO, ".lab", "venv-bare")
@@ -37,8 +39,14 @@ class Lab:
         self.cg2 = cgroup2_mount()
         self.freezer = freezer_mount()
         self.cg_root = os.path.join(self.cg2, "gpuops-lab-" + self.rid) if self.cg2 else None
-        self.fz_root = os.path.join(self.freezer, "gpuops-lab-" + self.rid) if self.freezer else None
         self.config_path = os.path.join(self.state, "labctl.json")
+
+    @property
+    def fz_root(self):
+        """The lab's folder in the v1 freezer hierarchy (below this process's freezer cgroup)."""
+        if not self.freezer or not os.path.isdir(self.state):
+            return None
+        return next((r for r in self.v1_roots() if r.startswith(self.freezer + "/")), None)
 
     # ----- paths and records
     @property
@@ -58,7 +66,7 @@ class Lab:
         ct = container.load(self.node_dir(node), str(vmid))
         if ct is None:
             raise LabError("no container %s on node %s" % (vmid, node))
-        return ct
+        return _live(ct)
 
     def find_node(self, vmid):
         for node, ncfg in self.config["nodes"].items():
@@ -67,7 +75,7 @@ class Lab:
         raise LabError("no container %s in lab %s" % (vmid, self.rid))
 
     # ----- up
-    def shape(self, nodes, containers, gpus, layouts, nvml_pids, bare):
+    def shape(self, nodes, containers, gpus, layouts, nvml_pids, bare, unprivileged=()):
         shape = {"nvml_pids": nvml_pids, "nodes": {}}
         for k in range(1, nodes + 1):
             cts = {}
@@ -77,15 +85,17 @@ class Lab:
                 bad = [m for m in minors if m < 0 or m >= gpus]
                 if bad:
                     raise LabError("layout of %s names minors %s, node has %d GPUs" % (vmid, bad, gpus))
-                cts[vmid] = {"minors": minors, "bare": vmid in bare}
+                cts[vmid] = {"minors": minors, "bare": vmid in bare, "unprivileged": vmid in unprivileged}
             shape["nodes"][node_name(k)] = {"gpus": gpus, "containers": cts}
-        unknown = (set(layouts) | set(bare)) - {v for n in shape["nodes"].values() for v in n["containers"]}
+        unknown = (set(layouts) | set(bare) | set(unprivileged)) - {v for n in shape["nodes"].values() for v in n["containers"]}
         if unknown:
-            raise LabError("--layout/--bare name vmids not in the lab: %s" % ", ".join(sorted(unknown)))
+            raise LabError("--layout/--bare/--unprivileged name vmids not in the lab: %s" % ", ".join(sorted(unknown)))
         return shape
 
-    def up(self, nodes=2, containers=2, gpus=8, layouts=None, nvml_pids="modern", bare=(), free_delay=None):
-        shape = self.shape(nodes, containers, gpus, layouts or {}, nvml_pids, [str(b) for b in bare])
+    def up(self, nodes=2, containers=2, gpus=8, layouts=None, nvml_pids="modern", bare=(), free_delay=None,
+           unprivileged=()):
+        shape = self.shape(nodes, containers, gpus, layouts or {}, nvml_pids, [str(b) for b in bare],
+                           [str(u) for u in unprivileged])
         self.free_delay = DEFAULT_FREE_DELAY if free_delay is None else float(free_delay)
         if self.free_delay < 0:
             raise LabError("--free-delay must be >= 0")
@@ -113,7 +123,7 @@ class Lab:
         os.makedirs(STATE_ROOT, exist_ok=True)
         os.makedirs(self.state)
         os.chmod(self.state, 0o711)  # the node user reads ssh/authorized_keys; nothing is listable
-        for sub in ("ssh", "driver", "lib", "sbin", "nodes"):
+        for sub in ("ssh", "driver", "lib", "sbin", "nodes", "lxcfs"):
             os.makedirs(os.path.join(self.state, sub))
         ensure_venvs()
         self._build_library()
@@ -130,13 +140,15 @@ class Lab:
         self._write_driver_config(shape, cfg["free_delay_s"])
         self._known_hosts(cfg)
         cfg["driver"]["pid"] = self._start_driver()
+        cfg["lxcfs_pid"] = self._start_lxcfs()
         cfg["api"] = self._start_api(cfg)
         for node, ncfg in cfg["nodes"].items():
             ncfg["sshd_pid"] = self._start_sshd(node, ncfg)
+        self._write_driver_config(shape, cfg["free_delay_s"])  # now with each node's pid namespace
+        for node, ncfg in cfg["nodes"].items():  # sshd listens once the node's mounts are made
+            self._wait_sshd(node, ncfg)
         container.start_many([(self.node_dir(node), vmid) for node, ncfg in cfg["nodes"].items()
                               for vmid in ncfg["containers"]])
-        for node, ncfg in cfg["nodes"].items():
-            self._wait_sshd(node, ncfg)
         write_json(self.config_path, cfg)
         self.write_inventory(cfg)
         return cfg
@@ -155,12 +167,19 @@ class Lab:
             cfg["driver"]["pid"] = self._start_driver()
         if not pid_alive((cfg.get("api") or {}).get("pid")):
             cfg["api"] = self._start_api(cfg)
-        container.start_many([(self.node_dir(node), vmid) for node, ncfg in cfg["nodes"].items()
-                              for vmid in ncfg["containers"]])
+        if not pid_alive(cfg.get("lxcfs_pid")):
+            cfg["lxcfs_pid"] = self._start_lxcfs()
+        restarted = False
         for node, ncfg in cfg["nodes"].items():
             if not pid_alive(ncfg.get("sshd_pid")):
                 ncfg["sshd_pid"] = self._start_sshd(node, ncfg)
                 self._wait_sshd(node, ncfg)
+                restarted = True
+        if restarted:
+            self._write_driver_config({"nvml_pids": cfg["shape"]["nvml_pids"], "nodes": cfg["nodes"]},
+                                      cfg["free_delay_s"])
+        container.start_many([(self.node_dir(node), vmid) for node, ncfg in cfg["nodes"].items()
+                              for vmid in ncfg["containers"]])
         write_json(self.config_path, cfg)
         self.write_inventory(cfg)
 
@@ -189,7 +208,7 @@ class Lab:
 
     def _build_node(self, node, k, nshape, cfg):
         ndir = self.node_dir(node)
-        for sub in ("dev/nvidia-caps", "lxc", "containers", "sbin", "bin"):
+        for sub in ("dev/nvidia-caps", "lxc", "containers", "sbin", "etc/lxc", "lxcpath"):
             os.makedirs(os.path.join(ndir, sub))
         dev = os.path.join(ndir, "dev")
         names = ["nvidia%d" % m for m in range(nshape["gpus"])] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools",
@@ -205,28 +224,37 @@ class Lab:
         write_json(os.path.join(ndir, "node.json"), {
             "rid": self.rid, "node": node, "state": self.state, "node_dir": ndir, "python": py,
             "lab_dir": LAB_DIR, "repo": REPO, "address": address, "pct_delay": cfg["pct_delay"],
-            "cgroup_root": self.cg_root, "freezer_root": self.fz_root})
+            "cgroup_root": self.cg_root, "freezer_root": self.fz_root, "init_pid": None, "pidns": None})
+        write_file(os.path.join(ndir, "etc", "lxc", "lxc.conf"), "lxc.lxcpath = %s\n" % container.lxcpath(ndir))
         for vmid, cshape in nshape["containers"].items():
             cg_rel = "/gpuops-lab-%s/%s/lxc/%s/ns" % (self.rid, node, vmid)
             bare_venv = self._bare_venv(vmid) if cshape["bare"] else None
             python = (bare_venv or VENV) + "/bin/python"
-            write_file(container.conf_path(ndir, vmid), proxmox_conf(vmid, cshape["minors"]))
+            unpriv = bool(cshape.get("unprivileged"))
+            if bare_venv and unpriv:  # the role installs into it: container root (uid 100000) owns it
+                _chown_tree(bare_venv, UNPRIV_BASE)
+            write_file(container.conf_path(ndir, vmid), proxmox_conf(vmid, cshape["minors"], unpriv, dev))
             write_json(container.config_path(ndir, vmid), {
                 "vmid": vmid, "node": node, "init_host_pid": None, "cgroup": cg_rel,
                 "cgroup_path": self.cg2 + cg_rel, "minors": cshape["minors"], "python": python,
-                "bare": cshape["bare"], "running": False, "state": self.state, "rid": self.rid,
-                "supervisor_venv": VENV, "bare_venv": bare_venv})
-            ncfg["containers"][vmid] = {"minors": cshape["minors"], "python": python, "bare": cshape["bare"]}
+                "bare": cshape["bare"], "unprivileged": unpriv, "running": False, "state": self.state,
+                "freezer_path": self._freezer_path(node, vmid),
+                "rid": self.rid, "supervisor_venv": VENV, "bare_venv": bare_venv})
+            self.write_lxc_config(node, vmid)
+            ncfg["containers"][vmid] = {"minors": cshape["minors"], "python": python, "bare": cshape["bare"],
+                                        "unprivileged": unpriv}
         # Stand-ins seen at Proxmox's paths inside the node's mount namespace.
-        for sub, tool in (("sbin", "pct"), ("bin", "lxc-attach"), ("bin", "lxc-info")):
-            write_file(os.path.join(ndir, sub, tool), "#!/bin/sh\nexec %s -I %s --node-dir %s \"$@\"\n"
-                       % (py, os.path.join(LAB_DIR, "node", tool), ndir), 0o755)
+        # pct decodes its arguments by the node's locale: Python must not coerce a C locale to UTF-8.
+        write_file(os.path.join(ndir, "sbin", "pct"), "#!/bin/sh\nPYTHONCOERCECLOCALE=0 exec %s -sB %s --node-dir %s \"$@\"\n"
+                   % (py, os.path.join(LAB_DIR, "node", "pct"), ndir), 0o755)
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", node, "-f", os.path.join(ndir, "ssh_host_ed25519_key")])
         self._node_user(ndir)
         write_file(os.path.join(ndir, "sshd_config"), sshd_config(self.state, ndir, address))
         cg = os.path.join(self.cg_root, node, "sshd")
         os.makedirs(cg)
-        write_json(os.path.join(ndir, "nodeinit.json"), {"node_dir": ndir, "state": self.state, "cgroup_path": cg})
+        node_cgroups = [os.path.join(self.cg_root, node)] + [os.path.join(r, node) for r in self.v1_roots()]
+        write_json(os.path.join(ndir, "nodeinit.json"), {"node_dir": ndir, "state": self.state, "cgroup_path": cg,
+                                                         "cgroups": node_cgroups})
         return ncfg
 
     def _bare_venv(self, vmid):
@@ -251,7 +279,7 @@ class Lab:
         home = os.path.join(ndir, "home", NODE_USER)
         os.makedirs(home)
         os.chown(home, NODE_UID, NODE_UID)
-        os.makedirs(etc)
+        os.makedirs(etc, exist_ok=True)
         extra = {"passwd": "%s:x:%d:%d:gpuops lab node user:%s:/bin/sh\n" % (NODE_USER, NODE_UID, NODE_UID, home),
                  "group": "%s:x:%d:\n" % (NODE_USER, NODE_UID),
                  "shadow": "%s:*:20000:0:99999:7:::\n" % NODE_USER}
@@ -269,6 +297,7 @@ class Lab:
         nodes = {}
         for node, nshape in shape["nodes"].items():
             nodes[node] = {"gpus": nshape["gpus"], "dev_dir": os.path.join(self.node_dir(node), "dev"),
+                           "pidns": (read_json(os.path.join(self.node_dir(node), "node.json")) or {}).get("pidns"),
                            "containers": {vmid: {"minors": c["minors"],
                                                  "cgroup": "/gpuops-lab-%s/%s/lxc/%s/ns" % (self.rid, node, vmid)}
                                           for vmid, c in nshape["containers"].items()}}
@@ -333,8 +362,71 @@ class Lab:
         if os.path.exists(pidfile):
             os.unlink(pidfile)
         init = os.path.join(LAB_DIR, "lablib", "nodeinit.py")
-        return self._spawn([system_python(), "-I", init, os.path.join(ndir, "nodeinit.json")],
-                           os.path.join(self.cg_root, node, "sshd"), os.path.join(ndir, "nodeinit.log"))
+        pid = self._spawn([system_python(), "-I", init, os.path.join(ndir, "nodeinit.json")],
+                          os.path.join(self.cg_root, node, "sshd"), os.path.join(ndir, "nodeinit.log"))
+
+        def node_init():  # unshare --fork's child: pid 1 of the node's pid namespace
+            if not pid_alive(pid):
+                raise LabError("node %s exited: %s" % (node, _tail(os.path.join(ndir, "nodeinit.log"))))
+            kids = _children(pid)
+            return kids[0] if kids and os.stat("/proc/%d/ns/pid" % kids[0]).st_ino != _own_pidns() else None
+
+        init_pid = wait_for(node_init, 15, what="the init of node %s" % node)
+        path = os.path.join(ndir, "node.json")
+        ncfg["init_pid"], ncfg["pidns"] = init_pid, os.stat("/proc/%d/ns/pid" % init_pid).st_ino
+        write_json(path, dict(read_json(path), init_pid=init_pid, pidns=ncfg["pidns"]))
+        return pid
+
+    def _start_lxcfs(self):
+        """The lab's own LXCFS on STATE/lxcfs (nodes bind it on /var/lib/lxcfs, where LXC's hook finds it)."""
+        mnt = os.path.join(self.state, "lxcfs")
+        if any(row.split(" - ")[0].split()[4] == mnt for row in _host_mounts()):
+            try:
+                sysutil.umount(mnt)
+            except OSError:
+                pass
+        pid = self._spawn(["lxcfs", "-f", "-p", os.path.join(self.state, "lxcfs.pid"), mnt],
+                          os.path.join(self.cg_root, "lxcfs"), os.path.join(self.state, "lxcfs.log"))
+
+        def ready():
+            if not pid_alive(pid):
+                raise LabError("lxcfs exited (see %s/lxcfs.log)" % self.state)
+            return os.path.exists(os.path.join(mnt, "proc", "uptime"))
+
+        wait_for(ready, 15, what="lxcfs on %s" % mnt)
+        return pid
+
+    def _freezer_path(self, node, vmid):
+        return os.path.join(self.fz_root, node, "lxc", str(vmid), "ns") if self.fz_root else None
+
+    def v1_roots(self):
+        """HIERARCHY/OWN_CGROUP/gpuops-lab-RID for each cgroup v1 hierarchy, fixed at the first call (STATE)."""
+        path = os.path.join(self.state, "cgroup_v1.json")
+        roots = read_json(path)
+        if roots is None:
+            own = {}
+            with open("/proc/self/cgroup") as f:
+                for line in f:
+                    num, ctrls, cg = line.rstrip("\n").split(":", 2)
+                    for ctrl in ctrls.split(","):
+                        own[ctrl] = cg
+            roots = []
+            for mnt, opts in cgroup_v1_mounts(with_options=True):
+                ctrl = next((o for o in opts.split(",") if o in own or "name=" + o in own), None)
+                base = own.get(ctrl, own.get("name=" + (ctrl or ""), "/")) if ctrl else "/"
+                roots.append(os.path.normpath(mnt + base + "/gpuops-lab-" + self.rid))
+            if os.path.isdir(self.state):
+                write_json(path, roots)
+        return roots
+
+    def write_lxc_config(self, node, vmid):
+        """LXCPATH/VMID/config as Proxmox VE 8 writes /var/lib/lxc/VMID/config (PVE::LXC::update_lxc_config)."""
+        ndir = self.node_dir(node)
+        ct = container.load(ndir, vmid)
+        folder = os.path.join(container.lxcpath(ndir), str(vmid))
+        os.makedirs(folder, exist_ok=True)
+        write_file(os.path.join(folder, "config"), lxc_config(self.rid, self.state, node, ct,
+                                                              container.conf_path(ndir, vmid)))
 
     def _start_api(self, cfg):
         """The lab's Proxmox REST API on node 1's address, port 8006 (lablib/pveapi.py)."""
@@ -428,6 +520,18 @@ class Lab:
     def down(self):
         """Remove every process, cgroup and file of this lab. Returns what was left, if anything."""
         problems = []
+        cfg = read_json(self.config_path) or {}
+        if self.fz_root and os.path.isdir(self.fz_root):
+            for group in _subdirs_deep(self.fz_root):
+                container.thaw(group)
+        for node, ncfg in (cfg.get("nodes") or {}).items():  # lxc-stop -k each container first
+            for vmid in ncfg.get("containers", {}):
+                ct = container.load(self.node_dir(node), vmid)
+                if ct and container.is_running(ct):
+                    try:
+                        container.lxc_stop(self.node_dir(node), vmid, kill=True, timeout=10)
+                    except LabError as exc:
+                        problems.append(str(exc))
         if self.cg_root and os.path.isdir(self.cg_root):
             _write(os.path.join(self.cg_root, "cgroup.kill"), "1")
         if self.fz_root and os.path.isdir(self.fz_root):
@@ -448,7 +552,17 @@ class Lab:
             for group in _subdirs_deep(self.fz_root):
                 for pid in _read_ints(os.path.join(group, "cgroup.procs")):
                     _write(os.path.join(self.freezer, "cgroup.procs"), str(pid))
-                _rmdir(group, problems)
+        for root in (read_json(os.path.join(self.state, "cgroup_v1.json")) or []):  # LXC's, in every hierarchy
+            if os.path.isdir(root):
+                for group in _subdirs_deep(root):
+                    _rmdir(group, problems)
+        lxcfs_mnt = os.path.join(self.state, "lxcfs")
+        for row in _host_mounts():
+            if row.split(" - ")[0].split()[4] == lxcfs_mnt:
+                try:
+                    sysutil.umount(lxcfs_mnt)
+                except OSError as exc:
+                    problems.append(str(exc))
         left = [row for row in _host_mounts() if self.state in row]
         if left:
             problems.append("mounts left: %s" % left)
@@ -479,9 +593,11 @@ class Lab:
                     "sshd_alive": pid_alive(ncfg.get("sshd_pid")), "gpus": ncfg["gpus"], "containers": {}}
             healthy = healthy and nout["sshd_alive"]
             for vmid in sorted(ncfg["containers"]):
-                ct = container.load(self.node_dir(node), vmid)
-                nout["containers"][vmid] = {"running": container.is_running(ct),
-                                            "init_host_pid": ct.get("init_host_pid"), "minors": ct["minors"],
+                ct = _live(container.load(self.node_dir(node), vmid))
+                nout["containers"][vmid] = {"running": bool(ct.get("init_host_pid")),
+                                            "init_host_pid": ct.get("init_host_pid"),
+                                            "init_node_pid": ct.get("init_node_pid"),
+                                            "unprivileged": bool(ct.get("unprivileged")), "minors": ct["minors"],
                                             "python": ct["python"], "cgroup": ct["cgroup"]}
                 healthy = healthy and nout["containers"][vmid]["running"]
             out["nodes"][node] = nout
@@ -506,10 +622,12 @@ class Lab:
         if was_running:
             ct = container.stop(src_dir, vmid, graceful_timeout=10.0)
         cg_rel = "/gpuops-lab-%s/%s/lxc/%s/ns" % (self.rid, target, vmid)
-        ct.update(node=target, cgroup=cg_rel, cgroup_path=self.cg2 + cg_rel)
-        write_json(container.config_path(dst_dir, vmid), ct)
+        ct.update(node=target, cgroup=cg_rel, cgroup_path=self.cg2 + cg_rel, freezer_path=self._freezer_path(target, vmid))
+        write_json(container.config_path(dst_dir, vmid), {k: v for k, v in ct.items() if k != "node_dir"})
         os.replace(container.conf_path(src_dir, vmid), container.conf_path(dst_dir, vmid))
         os.unlink(container.config_path(src_dir, vmid))
+        rmtree_quiet(os.path.join(container.lxcpath(src_dir), vmid))
+        self.write_lxc_config(target, vmid)
         cfg["nodes"][target]["containers"][vmid] = cfg["nodes"][source]["containers"].pop(vmid)
         write_json(self.config_path, cfg)
         self._write_driver_config({"nvml_pids": cfg["shape"]["nvml_pids"], "nodes": cfg["nodes"]},
@@ -527,18 +645,78 @@ class Lab:
         return container.start(self.node_dir(node), str(vmid))
 
 
-def proxmox_conf(vmid, minors):
+NVIDIA_MAJOR, NVIDIA_UVM_MAJOR = 195, 508  # 195 is fixed; nvidia-uvm's major differs per host
+
+
+def proxmox_conf(vmid, minors, unprivileged=False, dev_dir="/dev"):
+    """/etc/pve/lxc/VMID.conf: GPUs as devN keys, plus the older raw style (device rules, lxc.mount.entry)."""
     lines = ["arch: amd64", "cores: 8", "hostname: ct%s" % vmid, "memory: 65536",
              "net0: name=eth0,bridge=vmbr0,ip=dhcp,type=veth", "ostype: debian",
-             "rootfs: local-lvm:vm-%s-disk-0,size=64G" % vmid, "swap: 0", "unprivileged: 0"]
+             "rootfs: local-lvm:vm-%s-disk-0,size=64G" % vmid, "swap: 0", "unprivileged: %d" % bool(unprivileged)]
     devs = ["/dev/nvidia%d" % m for m in minors]
     devs += ["/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools",
              "/dev/nvidia-caps/nvidia-cap1", "/dev/nvidia-caps/nvidia-cap2"]
     lines += ["dev%d: %s" % (i, d) for i, d in enumerate(devs)]
-    lines.append("lxc.cgroup2.devices.allow: c 195:* rwm")  # raw lxc keys: the API lists them under "lxc"
     if minors:
         lines.append("tags: gpu")
-    return "\n".join(sorted(lines)) + "\n"
+    raw = ["lxc.cgroup2.devices.allow: c %d:* rwm" % NVIDIA_MAJOR,
+           "lxc.cgroup2.devices.allow: c %d:* rwm" % NVIDIA_UVM_MAJOR]
+    # The lab's device files are regular files: these binds carry them in; the rules above enforce nothing.
+    raw += ["lxc.mount.entry: %s/%s %s none bind,optional,create=file" % (dev_dir, d[len("/dev/"):], d[1:])
+            for d in devs]
+    return "\n".join(sorted(lines) + raw) + "\n"
+
+
+def lxc_config(rid, state, node, ct, pve_conf_path):
+    """The LXC config Proxmox VE 8 derives from VMID.conf (PVE::LXC::update_lxc_config), for the lab.
+
+    Kept: cgroup dirs (with the lab's prefix before lxc/VMID), includes, monitor.unshare, idmap,
+    console, tty, TERM, uts name, the raw lxc.* lines of VMID.conf, device rules for devN.
+    Lab: rootfs is the host's root file system (bound read-write by each node, never written:
+    the init mounts tmpfs where the container writes), no network (lxc.net.0.type = empty instead of
+    a veth on vmbr0), STATE and the clone bound at their own paths, ctinit.py as init.
+    9.x differs: it may add lxc.init.cmd for an entrypoint and lxc.environment.runtime for env.
+    """
+    vmid, unpriv = ct["vmid"], bool(ct.get("unprivileged"))
+    # Proxmox's lines as they are: LXC puts them below the cgroup of the node's init
+    # (gpuops-lab-RID/NODE), the lab's prefix before lxc/VMID/ns.
+    out = ["lxc.cgroup.relative = 0",
+           "lxc.cgroup.dir.monitor = lxc.monitor/%s" % vmid,
+           "lxc.cgroup.dir.container = lxc/%s" % vmid,
+           "lxc.cgroup.dir.container.inner = ns",
+           "lxc.arch = amd64",
+           "lxc.include = /usr/share/lxc/config/common.conf"]  # no debian.common.conf here: PVE falls back
+    if unpriv:
+        out.append("lxc.include = /usr/share/lxc/config/userns.conf")
+        out.append("lxc.mount.auto = sys:mixed")
+    keys, raw = {}, []
+    with open(pve_conf_path) as f:
+        for line in f:
+            key, sep, value = line.strip().partition(":")
+            if not sep or line.startswith("#"):
+                continue
+            if key.startswith("lxc."):
+                raw.append("%s = %s" % (key, value.strip()))
+            else:
+                keys[key] = value.strip()
+    for key in sorted(k for k in keys if re.match(r"^dev\d+$", k)):
+        match = re.match(r"^/dev/nvidia(\d+)", keys[key].split(",")[0])
+        if match:
+            out.append("lxc.cgroup2.devices.allow = c %d:%s rw" % (NVIDIA_MAJOR, match.group(1)))
+    out.append("lxc.monitor.unshare = 1")
+    if unpriv:
+        out += ["lxc.idmap = u 0 %d 65536" % UNPRIV_BASE, "lxc.idmap = g 0 %d 65536" % UNPRIV_BASE]
+    out += ["lxc.console.path = none", "lxc.cgroup2.devices.deny = c 5:1 rwm", "lxc.tty.max = 2",
+            "lxc.environment = TERM=linux", "lxc.uts.name = %s" % keys.get("hostname", "CT%s" % vmid),
+            "lxc.rootfs.path = /run/gpuops-lab-rootfs",  # the node's bind of the host's root file system
+            "lxc.net.0.type = empty"]
+    out += raw
+    out += ["lxc.autodev = 1", "lxc.tty.dir =",  # LXC 5 here cannot make /dev/lxc/ttyN in a privileged autodev
+            "lxc.mount.entry = %s %s none bind,create=dir 0 0" % (state, state.lstrip("/")),
+            "lxc.mount.entry = %s %s none bind,create=dir 0 0" % (REPO, REPO.lstrip("/")),
+            "lxc.init.cmd = %s -I %s --inner %s" % (system_python(), container.CTINIT,
+                                                    container.config_path(os.path.join(state, "nodes", node), vmid))]
+    return "\n".join(out) + "\n"
 
 
 def sshd_config(state, node_dir, address):
@@ -647,6 +825,50 @@ def _rmdir(path, problems):
         except OSError:
             time.sleep(0.02)
     problems.append("cgroup %s" % path)
+
+
+def _live(ct):
+    """The record with init pids asked of LXC now (pct start on a node records only the node's view)."""
+    node_pid, host_pid = container.init_pid(ct)
+    ct.update(init_node_pid=node_pid, init_host_pid=host_pid, running=bool(host_pid))
+    if host_pid:
+        ct["pidns_inode"] = os.stat("/proc/%d/ns/pid" % host_pid).st_ino
+    return ct
+
+
+def _tail(path, lines=5):
+    try:
+        with open(path, errors="replace") as f:
+            return " | ".join(f.read().strip().splitlines()[-lines:])
+    except OSError:
+        return "(no log %s)" % path
+
+
+def _children(pid):
+    try:
+        with open("/proc/%d/task/%d/children" % (pid, pid)) as f:
+            return [int(p) for p in f.read().split()]
+    except FileNotFoundError:
+        return []
+
+
+def _own_pidns():
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def cgroup_v1_mounts(with_options=False):
+    rows = []
+    with open("/proc/self/mountinfo") as f:
+        for row in f.read().splitlines():
+            if " - cgroup " in row:
+                rows.append((row.split(" - ")[0].split()[4], row.split(" - ")[1].split()[2]))
+    return rows if with_options else [mnt for mnt, opts in rows]
+
+
+def _chown_tree(path, uid):
+    for root, dirs, files in os.walk(path):
+        for name in [root] + [os.path.join(root, n) for n in dirs + files]:
+            os.lchown(name, uid, uid)
 
 
 def _host_mounts():

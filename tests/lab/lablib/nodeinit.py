@@ -1,13 +1,19 @@
-"""Start a lab node: sshd in its own mount namespace, with the lab's pct,
-lxc-attach and lxc-info overlaid at Proxmox's paths.
+"""Start a lab node: its own PID and mount namespace, with sshd and the node's LXC set-up.
 
-Outer stage (host namespaces): join the node's cgroup, exec `unshare --mount`.
-Inner stage: overlay /usr/sbin and /usr/bin, tmpfs on /run (sshd's privsep dir
-/run/sshd lives there; STATE is bound back at its own path), exec sshd -D.
+Outer stage (host namespaces): join the node's cgroup, exec
+`unshare --pid --fork --kill-child --mount --mount-proc`.
+Inner stage (pid 1 of the node): the host's root file system bound (not recursively) at
+/run/gpuops-lab-rootfs for the containers' lxc.rootfs.path; the lab pct overlaid on /usr/sbin; the node's
+accounts; tmpfs on /run (STATE bound back at its own path); the lab's LXCFS mount bound on
+/var/lib/lxcfs, where LXC's lxcfs mount hook (common.conf.d/00-lxcfs.conf) takes it from, as on
+Proxmox; /etc/lxc/lxc.conf naming the node's lxcpath, so `lxc-attach -n VMID` needs no -P.
+Then it runs sshd -D and reaps orphans (LXC monitors, container launchers) until SIGTERM.
 """
 
 import json
 import os
+import signal
+import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -15,41 +21,106 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lablib import sysutil  # noqa: E402
 
 OVERLAY_SOURCE = "gpuops-lab-node"
+ROOTFS = "/run/gpuops-lab-rootfs"  # lxc.rootfs.path of every container (in the node's mount namespace)
 
 
 def outer(config_path):
     with open(config_path) as f:
         cfg = json.load(f)
-    with open(os.path.join(cfg["cgroup_path"], "cgroup.procs"), "w") as f:
-        f.write(str(os.getpid()))
-    os.execvp("unshare", ["unshare", "--mount", "--propagation", "private", "--",
+    # The node's init cgroup in every hierarchy: LXC (lxc.cgroup.relative = 0) builds lxc/VMID below it.
+    for path in cfg["cgroups"]:
+        _makedirs_inheriting(path)
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    os.execvp("unshare", ["unshare", "--pid", "--fork", "--kill-child", "--mount", "--mount-proc",
+                          "--propagation", "private", "--",
                           sys.executable, "-I", os.path.abspath(__file__), "--inner", config_path])
 
 
-def inner(config_path):
-    with open(config_path) as f:
-        cfg = json.load(f)
-    node_dir = cfg["node_dir"]
+def _inherit(path, name):
+    """An empty v1 cpuset admits no task: copy the parent's value."""
+    try:
+        with open(os.path.join(path, name)) as f:
+            if f.read().strip():
+                return
+        with open(os.path.join(os.path.dirname(path), name)) as f:
+            value = f.read().strip()
+        with open(os.path.join(path, name), "w") as f:
+            f.write(value)
+    except FileNotFoundError:
+        pass
+
+
+def _makedirs_inheriting(path):
+    if os.path.isdir(path):
+        return
+    _makedirs_inheriting(os.path.dirname(path))
+    try:
+        os.mkdir(path)
+    except FileExistsError:
+        pass
+    for name in ("cpuset.cpus", "cpuset.mems"):
+        _inherit(path, name)
+
+
+def _join(cgroup):
+    def join():
+        with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
+            f.write("0")
+    return join
+
+
+def setup_mounts(cfg):
+    node_dir, state = cfg["node_dir"], cfg["state"]
     sysutil.make_rprivate("/")
-    for sub, target in (("sbin", "/usr/sbin"), ("bin", "/usr/bin")):
-        sysutil.mount(OVERLAY_SOURCE, target, "overlay", sysutil.MS_RDONLY,
-                      "lowerdir=%s:%s" % (os.path.join(node_dir, sub), target))
+    sysutil.mount(OVERLAY_SOURCE, "/usr/sbin", "overlay", sysutil.MS_RDONLY,
+                  "lowerdir=%s:/usr/sbin" % os.path.join(node_dir, "sbin"))
     # The node's own accounts: the host's plus the lab's non-root user (and its sudo rule).
     for name in ("passwd", "group", "shadow", "sudoers.d"):
         source = os.path.join(node_dir, "etc", name)
         if os.path.exists(source) and os.path.exists("/etc/" + name):
             sysutil.bind(source, "/etc/" + name, readonly=True)
-    state = cfg["state"]
+    if os.path.isdir("/var/lib/lxcfs"):
+        sysutil.bind(os.path.join(state, "lxcfs"), "/var/lib/lxcfs")
+    os.makedirs("/etc/lxc", exist_ok=True)
+    sysutil.bind(os.path.join(node_dir, "etc", "lxc"), "/etc/lxc", readonly=True)
     state_fd = os.open(state, os.O_PATH | os.O_DIRECTORY)
     sysutil.mount(OVERLAY_SOURCE, "/run", "tmpfs", sysutil.MS_NOSUID | sysutil.MS_NODEV, "mode=755")
     os.makedirs(state)
     sysutil.bind("/proc/self/fd/%d" % state_fd, state)
     os.close(state_fd)
+    os.mkdir(ROOTFS)  # on the node's own /run: nothing under STATE, so STATE binds into containers cleanly
+    sysutil.mount("/", ROOTFS, None, sysutil.MS_BIND)  # not recursive: the root file system only
     os.mkdir("/run/sshd", 0o755)
+
+
+def inner(config_path):
+    with open(config_path) as f:
+        cfg = json.load(f)
+    setup_mounts(cfg)
     os.chdir("/")
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
-    os.execve("/usr/sbin/sshd", ["/usr/sbin/sshd", "-D", "-f", os.path.join(node_dir, "sshd_config"),
-                                 "-E", os.path.join(node_dir, "sshd.log")], env)
+    node_dir = cfg["node_dir"]
+    sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-f", os.path.join(node_dir, "sshd_config"),
+                             "-E", os.path.join(node_dir, "sshd.log")], env=env, stdin=subprocess.DEVNULL,
+                            preexec_fn=_join(cfg["cgroup_path"]))
+
+    def on_term(signum, frame):
+        try:
+            sshd.terminate()
+        except OSError:
+            pass
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_term)
+    while True:  # pid 1 of the node: reap everything; leave when sshd is gone
+        try:
+            pid = os.waitpid(-1, 0)[0]
+        except ChildProcessError:
+            signal.pause()
+            continue
+        if pid == sshd.pid:
+            return 1
 
 
 def main(argv):

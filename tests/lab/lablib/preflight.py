@@ -60,7 +60,8 @@ def _check_tools():
     missing = []
     for tool, package in (("/usr/sbin/sshd", "openssh-server"), ("ssh", "openssh-client"),
                           ("ssh-keygen", "openssh-client"), ("gcc", "gcc"), ("ldconfig", "libc-bin"),
-                          ("fuser", "psmisc")):
+                          ("fuser", "psmisc"), ("lxc-start", "lxc"), ("lxc-attach", "lxc"), ("lxc-info", "lxc"),
+                          ("lxc-stop", "lxc"), ("nsenter", "util-linux"), ("lxcfs", "lxcfs")):
         if not (os.access(tool, os.X_OK) if tool.startswith("/") else shutil.which(tool)):
             missing.append("%s: %s not found (apt package %s)" % (tool.rsplit("/", 1)[-1], tool, package))
     return "; ".join(missing) or None

@@ -77,10 +77,17 @@ def translate(ct, result):
     # A pid the workload killed on purpose (fork_inherit --kill-parent) has no host pid any more.
     table.update((p, None) for p in dead)
     out = dict(result)
+    out.update(node_pids=[_node_pid(table[p]) for p in pids], node_holders=[_node_pid(table[p]) for p in holders])
     out.update(pids=pids, host_pids=[table[p] for p in pids],
                roles={role: table[p] for role, p in roles.items()}, holders=[table[p] for p in holders],
                container_roles=roles, container_holders=holders)
     return out
+
+
+def _node_pid(host_pid):
+    """The pid its lab node sees (NSpid: host, node, container), what NVML's legacy mode reports there."""
+    nspids = container._nspids(host_pid) if host_pid else []
+    return nspids[1] if len(nspids) >= 3 else host_pid
 
 
 def minors_for(ct, gpu_indexes):
@@ -182,9 +189,7 @@ def run_respawn(lab, ct, node, vmid, minors, mib, extra, cuda_visible=None):
 
 def freeze(lab, ct, result):
     """Freeze the holders in a cgroup v1 freezer: D state, SIGKILL pends until thawed."""
-    node = container.node_config(lab.node_dir(ct["node"]))
-    root = node["freezer_root"]
-    os.makedirs(root, exist_ok=True)
+    root = container.freezer_dir(ct)  # the container's own cgroup in the freezer hierarchy
     group = os.path.join(root, "stuck-%s-%d" % (ct["vmid"], result["host_pids"][0]))
     os.makedirs(group, exist_ok=True)
     for pid in dict.fromkeys(result["host_pids"]):

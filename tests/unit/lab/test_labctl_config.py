@@ -16,8 +16,28 @@ def test_proxmox_conf_lists_only_the_layout_minors():
     devs = [ln.split(": ", 1)[1] for ln in lines if ln.startswith("dev")]
     assert devs[:2] == ["/dev/nvidia4", "/dev/nvidia5"]
     assert "/dev/nvidia0" not in devs and "/dev/nvidiactl" in devs
-    keys = [ln.split(":", 1)[0] for ln in lines]
-    assert len(keys) == len(set(keys)), "Proxmox config keys are unique"
+    keys = [ln.split(":", 1)[0] for ln in lines if not ln.startswith("lxc.")]
+    assert len(keys) == len(set(keys)), "Proxmox config keys are unique (raw lxc.* keys repeat)"
+    entries = [ln.split(": ", 1)[1].split()[:2] for ln in lines if ln.startswith("lxc.mount.entry: ")]
+    assert entries[0] == ["/dev/nvidia4", "dev/nvidia4"] and ["/dev/nvidiactl", "dev/nvidiactl"] in entries
+    assert "lxc.cgroup2.devices.allow: c 195:* rwm" in lines and "unprivileged: 0" in lines
+    assert "unprivileged: 1" in lablab.proxmox_conf("102", [4], unprivileged=True).splitlines()
+
+
+def test_lxc_config_as_proxmox_writes_it(tmp_path):
+    pve = tmp_path / "202.conf"
+    pve.write_text(lablab.proxmox_conf("202", [3], unprivileged=True, dev_dir="/run/lab/dev"))
+    ct = {"vmid": "202", "unprivileged": True}
+    lines = lablab.lxc_config("rid1", "/run/gpuops-lab/rid1", "pve2", ct, str(pve)).splitlines()
+    assert lines[:4] == ["lxc.cgroup.relative = 0", "lxc.cgroup.dir.monitor = lxc.monitor/202",
+                         "lxc.cgroup.dir.container = lxc/202", "lxc.cgroup.dir.container.inner = ns"]
+    assert "lxc.idmap = u 0 100000 65536" in lines and "lxc.idmap = g 0 100000 65536" in lines
+    assert "lxc.include = /usr/share/lxc/config/userns.conf" in lines
+    assert "lxc.cgroup2.devices.allow = c 195:3 rw" in lines and "lxc.cgroup2.devices.allow = c 195:* rwm" in lines
+    assert "lxc.mount.entry = /run/lab/dev/nvidia3 dev/nvidia3 none bind,optional,create=file" in lines
+    assert "lxc.uts.name = ct202" in lines and "lxc.monitor.unshare = 1" in lines
+    priv = lablab.lxc_config("rid1", "/run/gpuops-lab/rid1", "pve2", {"vmid": "202"}, str(pve)).splitlines()
+    assert not [ln for ln in priv if ln.startswith("lxc.idmap")]
 
 
 def test_sshd_config_has_the_lab_policy():
@@ -40,13 +60,13 @@ def test_to_yaml_round_trips_through_a_yaml_parser():
 def test_shape_defaults_to_every_gpu_with_index_equal_minor():
     shape = lablab.Lab.shape(None, 2, 2, 4, {}, "modern", [])
     assert sorted(shape["nodes"]) == ["pve1", "pve2"]
-    assert shape["nodes"]["pve2"]["containers"]["202"] == {"minors": [0, 1, 2, 3], "bare": False}
+    assert shape["nodes"]["pve2"]["containers"]["202"] == {"minors": [0, 1, 2, 3], "bare": False, "unprivileged": False}
 
 
 def test_shape_layout_and_bare():
     shape = lablab.Lab.shape(None, 1, 2, 8, {"102": [7, 4]}, "legacy", ["101"])
-    assert shape["nodes"]["pve1"]["containers"] == {"101": {"minors": list(range(8)), "bare": True},
-                                                    "102": {"minors": [7, 4], "bare": False}}
+    assert shape["nodes"]["pve1"]["containers"] == {"101": {"minors": list(range(8)), "bare": True, "unprivileged": False},
+                                                    "102": {"minors": [7, 4], "bare": False, "unprivileged": False}}
     assert shape["nvml_pids"] == "legacy"
 
 

@@ -84,14 +84,30 @@ def test_pct_outside_a_lab_node(tmp_path):
     assert res.returncode == 255 and "lab node not configured" in res.stderr
 
 
-def test_lxc_info(node_dir):
-    res = tool("lxc-info", node_dir, "-n", "101")
-    assert res.stdout.splitlines() == ["Name:           101", "State:          STOPPED"]
-    assert tool("lxc-info", node_dir, "-n", "101", "-p").stdout == ""
-    res = tool("lxc-info", node_dir, "-n", "999")
-    assert res.returncode == 1 and "999 doesn't exist" in res.stderr
+def _pct_module():
+    import importlib.machinery
+    import importlib.util
+    loader = importlib.machinery.SourceFileLoader("lab_pct", os.path.join(NODE_TOOLS, "pct"))
+    spec = importlib.util.spec_from_loader("lab_pct", loader)
+    module = importlib.util.module_from_spec(spec)
+    loader.exec_module(module)
+    return module
 
 
-def test_lxc_attach_refuses_a_stopped_container(node_dir):
-    res = tool("lxc-attach", node_dir, "-n", "101", "--", "true")
-    assert res.returncode == 1 and "Failed to get init pid" in res.stderr
+def test_pct_decodes_arguments_by_the_node_locale():
+    """pve-common decodes pct's arguments with decode('locale') and exec passes them on as UTF-8."""
+    pct = _pct_module()
+    assert pct.perl_argv(["caf\u00e9", "plain"], "utf-8") == [b"caf\xc3\xa9", b"plain"]
+    assert pct.perl_argv(["caf\u00e9"], "ascii") == [b"caf\xef\xbf\xbd\xef\xbf\xbd"]  # C locale: U+FFFD per byte
+    assert pct.perl_argv([os.fsdecode(b"caf\xe9")], "iso8859-1") == [b"caf\xc3\xa9"]
+
+
+def test_pct_reads_the_locale_of_its_environment():
+    code = ("import importlib.machinery as m, importlib.util as u; l = m.SourceFileLoader('p', %r); "
+            "mod = u.module_from_spec(u.spec_from_loader('p', l)); l.exec_module(mod); print(mod.locale_codec())"
+            % os.path.join(NODE_TOOLS, "pct"))
+    for lang, codec in (("C", "ascii"), ("C.UTF-8", "utf-8")):
+        env = dict(os.environ, LC_ALL=lang, PYTHONCOERCECLOCALE="0", PYTHONPATH=LAB_DIR)
+        out = subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, universal_newlines=True,
+                             check=True).stdout.strip()
+        assert out == codec, (lang, out)

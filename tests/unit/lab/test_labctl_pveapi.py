@@ -35,7 +35,8 @@ def test_parse_conf_splits_keys_and_raw_lxc_lines_and_stops_at_snapshots():
 
 def test_lab_conf_has_gpu_tag_only_with_gpus_and_a_raw_lxc_line():
     keys, raw = pveapi.parse_conf(lablab.proxmox_conf("101", [2, 3]))
-    assert keys["tags"] == "gpu" and raw == [["lxc.cgroup2.devices.allow", "c 195:* rwm"]]
+    assert keys["tags"] == "gpu" and raw[0] == ["lxc.cgroup2.devices.allow", "c 195:* rwm"]
+    assert ["lxc.mount.entry", "/dev/nvidia2 dev/nvidia2 none bind,optional,create=file"] in raw
     assert "tags" not in pveapi.parse_conf(lablab.proxmox_conf("102", []))[0]
 
 
@@ -122,7 +123,7 @@ def test_resources_status_and_config(api):
     assert [(n["name"], n["ip"], n["online"]) for n in nodes] == [("pve1", "127.0.0.1", 0), ("pve2", "127.0.0.2", 0)]
     code, config = call(api, "GET", "/nodes/pve2/lxc/201/config", headers=token(api))
     assert code == 200 and config["dev0"] == "/dev/nvidia1" and config["hostname"] == "ct201"
-    assert config["lxc"] == [["lxc.cgroup2.devices.allow", "c 195:* rwm"]]
+    assert config["lxc"][0] == ["lxc.cgroup2.devices.allow", "c 195:* rwm"]
     code, current = call(api, "GET", "/nodes/pve2/lxc/201/status/current", headers=token(api))
     assert code == 200 and current["status"] == "stopped" and "pid" not in current
 

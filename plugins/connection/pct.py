@@ -584,7 +584,8 @@ class Connection(SSHConnection):
         seen = []
         for index, marker in enumerate(self._markers):
             tail = b' -?\\d+' if index == 2 else b''
-            found = re.search(b'(?m)^' + re.escape(marker) + tail + b'\r?\n', data) if marker else None
+            # a tty may end lines in \r\n, and a second tty (lxc-attach's own pty) in \r\r\n
+            found = re.search(b'(?m)^' + re.escape(marker) + tail + b'\r*\n', data) if marker else None
             if found:
                 data = data[:found.start()] + data[found.end():]
             seen.append(found is not None)

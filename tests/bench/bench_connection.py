@@ -316,14 +316,14 @@ def markdown(bench, calls, med, times, conns, versions, cost):
         '- 1 `pct` call per module task: %.1f, %s.' % (calls['pct']['pct'], verdict(calls['pct']['pct'] <= 1.0)),
         '- at least 4x faster than the anchor with `exec_method: pct`: %.1fx, %s.' % (
             speedup_pct, verdict(speedup_pct >= 4)),
-        '- within 1.2x of plain OpenSSH with `exec_method: lxc-attach`: %.2fx, %s.' % (
-            lxc_vs_ssh, verdict(lxc_vs_ssh <= 1.2)),
+        '- within 1.1x of plain OpenSSH with `exec_method: lxc-attach`, the real LXC `lxc-attach` (issue 10; '
+        'reported, not gated): %.2fx, %s.' % (lxc_vs_ssh, verdict(lxc_vs_ssh <= 1.1)),
         '- 1 SSH connection for 8 containers with forks=1: %d, %s (forks=8: %d).' % (
             conns[('pct', 1)], verdict(conns[('pct', 1)] == 1), conns[('pct', 8)]),
         '',
         'Where the time over plain OpenSSH goes, per task: %.3f s with pct, %.3f s with lxc-attach. The lab\'s '
         'stand-ins alone, timed on the node, cost %.3f s per `pct exec` (%.1f s of it the Perl-like delay) and %.3f s '
-        'per `lxc-attach`, which is a Python script here and a C binary on Proxmox. `true` alone costs %.3f s. What '
+        'per `lxc-attach` (LXC\'s own C binary, as on Proxmox). `true` alone costs %.3f s. What '
         'is left is the plugin\'s own cost, within this machine\'s noise: %.3f s per task with pct, %.3f s with '
         'lxc-attach. Of that, %.3f s is ansible-core loading the plugin in each task\'s forked worker (%.3f s for '
         'ours, %.3f s for the builtin `ssh`, whose documentation the parent process has already parsed). With one '

@@ -3,8 +3,10 @@
 Every assertion about freeing is checked against `labctl gpus` (the fake driver's truth)
 and the host's /proc, not only against what the module says.
 """
+import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -286,10 +288,20 @@ os.kill(second, signal.SIGKILL)
 
 
 def test_a_really_reused_pid_is_never_signalled(clean):
-    """ns_last_pid in the container's PID namespace hands a dead process's pid to a new one."""
+    """ns_last_pid in the container's PID namespace hands a dead process's pid to a new one.
+
+    LXC mounts the container's /proc/sys read-only, as Proxmox does, so the script joins the container's PID
+    namespace from the host (nsenter) with a /proc of its own that shows that namespace.
+    """
     from _enginelab import REPO
     lab = clean
-    proc = lab.exec(101, os.path.join(REPO, ".lab", "venv", "bin", "python"), "-c", PID_REUSE, REPO)
+    init = json.loads(lab.labctl("status", parse=False))["nodes"]["pve1"]["containers"]["101"]["init_host_pid"]
+    python = os.path.join(REPO, ".lab", "venv", "bin", "python")
+    script = "mount -t proc proc /proc && exec \"$0\" -c \"$1\" \"$2\""
+    proc = subprocess.run(["nsenter", "-t", str(init), "-p", "--", "unshare", "-m", "--propagation", "private",
+                           "sh", "-c", script, python, PID_REUSE, REPO],
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=60,
+                          check=False)
     assert proc.returncode == 0, proc.stdout
     numbers, outcome = proc.stdout.strip().splitlines()[-1].split("|")
     first, second, alive = numbers.split()

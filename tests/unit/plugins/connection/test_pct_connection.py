@@ -633,3 +633,13 @@ def test_readme_sudoers_example_is_narrow_and_matches_what_the_plugin_runs(tmp_p
                    ['/usr/bin/lxc-attach', '-n', '101', '-s', 'NETWORK', '--clear-env', '--', 'sh'],
                    ['/usr/bin/lxc-attach', '-n', '101', '--clear-env', '-s', 'NETWORK', '--', 'sh']):
         assert not sudo_allows(commands, denied), denied
+
+
+def test_markers_are_found_behind_two_ttys():
+    """ssh -tt and lxc-attach's own pty: the container's lines end in \\r\\r\\n (seen with LXC 5's lxc-attach)."""
+    conn = make_conn(ansible_user='root')
+    conn._wrap('true')
+    node, container, end = conn._markers
+    out = node + b'\r\n' + container + b'\r\r\n\r\r\n{"rc": 1}\r\r\n' + end + b' 1\r\n'
+    assert conn._judge(1, out, b'Shared connection to 127.0.9.1 closed.\r\n') == \
+        (1, b'\r\r\n{"rc": 1}\r\r\n', b'Shared connection to 127.0.9.1 closed.\r\n')

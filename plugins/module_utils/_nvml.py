@@ -23,11 +23,11 @@ from __future__ import annotations
 import json
 import os
 import select
-import signal
 import subprocess
-import sys
 import threading
 import time
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 
 try:
     import queue
@@ -201,9 +201,7 @@ class _Helper(object):
     """One helper process; call() answers or raises HelperGone / returns None on timeout."""
 
     def __init__(self, module_dir):
-        self.proc = subprocess.Popen([sys.executable or "python3", "-c", HELPER_SOURCE, module_dir or ""],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                     close_fds=True, start_new_session=True)
+        self.proc = helperproc.spawn(HELPER_SOURCE, [module_dir or ""])
         self.buffer = b""
 
     def read_line(self, timeout):
@@ -233,19 +231,7 @@ class _Helper(object):
 
     def kill(self):
         """SIGKILL, without waiting: a helper stuck in the driver exits only when the call returns."""
-        try:
-            os.kill(self.proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        for stream in (self.proc.stdin, self.proc.stdout):
-            try:
-                stream.close()
-            except (OSError, ValueError):
-                pass
-        try:
-            self.proc.wait(0.2)
-        except subprocess.TimeoutExpired:
-            self.proc.returncode = -signal.SIGKILL  # abandoned; init reaps it once the call returns
+        helperproc.abandon(self.proc)
 
     def close(self, timeout=2.0):
         try:

@@ -12,13 +12,12 @@ import errno
 import os
 import re
 import select
-import signal
 import stat as stat_mod
 import struct
-import subprocess
-import sys
 import threading
 import time
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 
 _GONE = (errno.ENOENT, errno.ESRCH)
 DELETED = " (deleted)"
@@ -97,28 +96,13 @@ class BoundedReader(object):
         self.started = 0
 
     def _start(self):
-        self._proc = subprocess.Popen([sys.executable or "python3", "-S", "-c", READER_SOURCE],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                                      close_fds=True, start_new_session=True)
+        self._proc = helperproc.spawn(READER_SOURCE, python_flags=["-S"])
         self.started += 1
 
     def _abandon(self):
         proc, self._proc = self._proc, None
-        if proc is None:
-            return
-        try:
-            os.kill(proc.pid, signal.SIGKILL)
-        except OSError:
-            pass
-        for stream in (proc.stdin, proc.stdout):
-            try:
-                stream.close()
-            except (OSError, ValueError):
-                pass
-        try:
-            proc.wait(0.2)
-        except subprocess.TimeoutExpired:
-            proc.returncode = -signal.SIGKILL  # stuck in the kernel; init reaps it once the read returns
+        if proc is not None:
+            helperproc.abandon(proc)
 
     def close(self):
         with self._lock:
@@ -506,7 +490,7 @@ def _scan_pids(proc_root, devices, pids, result):
         table_tid = pid
         defunct = False
         if not maps:
-            # kernel thread, zombie, defunct leader or unreadable
+            # kernel thread, zombie, defunct leader or unreadable; read again, since the leader may have just exited
             try:
                 stat = parse_stat(read_text(base + "/stat"))
             except (OSError, ValueError, IndexError):

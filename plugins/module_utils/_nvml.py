@@ -474,10 +474,14 @@ class Nvml(object):
         return out
 
     def processes(self, index):
-        """Compute and graphics processes NVML names for one GPU: [{pid, used_mib}], one per pid."""
+        """Compute, graphics and MPS client processes NVML names for one GPU: [{pid, used_mib}], one per pid.
+
+        The graphics and MPS lists are optional (a driver or an NVML without them, or MPS not running).
+        """
         handle = self.handle(index)
         found = {}
-        for label in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        for label in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
+                      "nvmlDeviceGetMPSComputeRunningProcesses"):
             try:
                 procs = self._gpu_call(index, label, label, handle)
             except NvmlFailure as exc:

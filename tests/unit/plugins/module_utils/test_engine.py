@@ -212,3 +212,19 @@ def test_no_gpu_is_never_all_free(proc):
     engine, dummy = engine_for(proc, [{"minor": 0, "used_mib": 0}])
     assert no_gpu_message(engine, []).startswith("no GPU selected; NVML sees 0 (minor 0, GPU-")
     assert no_gpu_message(engine, [0]) is None
+
+
+def test_mps_clients_are_named_where_nvml_lists_them(proc):
+    class MpsNvml(FakeNvml):
+        def nvmlDeviceGetMPSComputeRunningProcesses(self, handle):
+            return [type("P", (), {"pid": pid, "usedGpuMemory": mib * 1024 * 1024})()
+                    for pid, mib in self.gpus[handle].get("mps", [])]
+    proc.add(300, comm="nvidia-cuda-mps", maps=ctx(0) + vis(1), fds=["/dev/nvidia0"])
+    proc.add(301, comm="python3", maps=vis(0) + ctx(1), fds=["/dev/nvidia1"])
+    fake = MpsNvml([{"minor": 0, "used_mib": 100, "procs": [(300, 100)]},
+                    {"minor": 1, "used_mib": 2048, "mps": [(301, 2048)]}])
+    engine, dummy = engine_for(proc, fake)
+    report = engine.snapshot([0, 1])
+    holders = dict((h["pid"], h) for h in report.holders)
+    assert holders[301]["gpus"] == [1] and holders[301]["evidence"] == ["nvml", "mapping"]
+    assert holders[300]["gpus"] == [0] and report.gpus[1]["unattributed_mib"] == 0

@@ -127,3 +127,17 @@ def test_a_pid_reused_while_its_tables_are_read_is_never_a_holder(proc, monkeypa
     monkeypatch.setattr(procscan, "_read_fd_devices", reuse_50_midway)
     result = procscan.scan(proc.root, DEVS)
     assert sorted(result.entries) == [51]
+
+
+def test_a_character_device_is_its_gpu_by_st_rdev_not_its_name(tmp_path):
+    """Proxmox's `lxc.mount.entry: /dev/nvidia3 dev/nvidia0`: the node named nvidia0 is minor 3 (never opened here)."""
+    import stat
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    os.mknod(str(dev / "nvidia0"), stat.S_IFCHR | 0o600, os.makedev(195, 3))
+    os.mknod(str(dev / "nvidiactl"), stat.S_IFCHR | 0o600, os.makedev(195, 255))
+    (dev / "nvidia1").write_bytes(b"")   # a regular file (the lab's): its name
+    names = DeviceNames(str(dev))
+    assert procscan.gpu_minor(str(dev / "nvidia0"), names) == 3
+    assert procscan.gpu_minor(str(dev / "nvidia1"), names) == 1
+    assert procscan.gpu_minor(str(dev / "nvidiactl"), names) is None

@@ -30,9 +30,22 @@ description:
     do not allow is in C(proxmox_gpu_denied_devices), not in C(proxmox_gpu_devices)."
   - "Groups: C(gpu_containers) (containers with at least one C(/dev/nvidiaN)) and C(proxmox_node_NODE), plus those of
     O(groups) and O(keyed_groups)."
+  - "With O(node_hosts) on (the default), each Proxmox VE node is a host too, in group C(proxmox_nodes), reached with
+    plain C(ssh): C(ansible_connection=ssh), C(ansible_host) the node's C(ip) in C(GET /cluster/status) (its name when
+    it has none), C(proxmox_node) (the node's name), C(proxmox_node_online) and C(proxmox_node_vmids) (the vmids of
+    the containers this inventory lists on that node). Node hosts are named by O(node_hostname) and get the variables
+    of O(node_compose); O(compose), O(groups) and O(keyed_groups) apply to containers only. A node host is in no
+    C(proxmox_node_NODE) group: those hold the node's containers, which are reached through C(pct exec)."
+  - "Every container then also gets C(proxmox_node_host), the inventory host name of the node host that runs it now,
+    so C(hostvars[proxmox_node_host]) reaches its node (a migrated container points to its new node at the next run,
+    with the cache on too)."
+  - "Node hosts are the nodes in C(GET /cluster/status) (only those of O(nodes) when it is set), whether they run a
+    listed container or not. A node that C(/cluster/status) shows offline is left out, with a warning: SSH to it would
+    fail, and PVE lists no guest of an offline node as running. It is kept (with C(proxmox_node_online=false)) only
+    when a listed container still names it as its node, so that C(proxmox_node_host) always names a host."
   - Values from the API are marked unsafe, so they are never templated.
-  - With the inventory cache on, only the container configs are taken from the cache. The guest list and the node
-    addresses are read at every run, and a cached config is used only for the same vmid, node and name, started at
+  - With the inventory cache on, only the container configs are taken from the cache. The guest list, the nodes and
+    their addresses are read at every run, and a cached config is used only for the same vmid, node and name, started at
     the same time, so a migrated container is reached on its new node and a reused vmid is read again.
   - The inventory file name must end with C(proxmox_gpu.yml) or C(proxmox_gpu.yaml).
   - Uses the C(https) backend of proxmoxer, with a ticket (O(user) and O(password)) or an API token
@@ -138,6 +151,29 @@ options:
       - Without it the host is the container's name. A name that is empty or already taken by another container
         becomes C(ct<vmid>), with a warning when it came from this template.
     type: str
+  node_hosts:
+    description:
+      - Add each Proxmox VE node as a host of group C(proxmox_nodes), reached with plain C(ssh), and give every
+        container C(proxmox_node_host).
+      - Set it to V(false) for an inventory of containers only (no C(proxmox_nodes) group, no C(proxmox_node_host)).
+    type: bool
+    default: true
+  node_hostname:
+    description:
+      - A template for the inventory host name of a node host.
+      - Its variables are the fields of the node's C(GET /cluster/status) entry, such as C(name), C(ip), C(nodeid),
+        C(online) and C(local); for example V(pve-{{ name }}).
+      - Without it the host is the node's name. A name that is empty or already taken (by a container or another node)
+        becomes C(node_<name>), with a warning.
+    type: str
+  node_compose:
+    description:
+      - Variables of node hosts, from Jinja2 expressions, as O(compose) does for containers; for example the SSH user,
+        key or Python interpreter of the nodes.
+      - The expressions see the node host's variables (C(ansible_host), C(proxmox_node), C(proxmox_node_online),
+        C(proxmox_node_vmids)). O(strict) applies as for O(compose).
+    type: dict
+    default: {}
 """
 
 EXAMPLES = r"""
@@ -163,9 +199,23 @@ keyed_groups:
   - key: proxmox_tags
     prefix: tag
 # ansible-inventory -i gpu.proxmox_gpu.yml --graph
-#   @gpu_containers, @proxmox_node_pve1, @multi_gpu, @tag_gpu ...
+#   @gpu_containers, @proxmox_node_pve1, @proxmox_nodes, @multi_gpu, @tag_gpu ...
 
-# gpu.proxmox_gpu.yml: running and stopped containers of pool ml on pve1 and pve2, named NODE-VMID
+# gpu.proxmox_gpu.yml: node hosts named pve-NODE, as root with a given key, for the node-side view
+# (ansible-playbook -i gpu.proxmox_gpu.yml playbooks/gpu_status.yml -e gpu_status_hosts=proxmox_nodes);
+# each container's proxmox_node_host names its node host (pve-pve1, ...)
+plugin: gpuops.fleet.proxmox_gpu
+url: https://pve1.example.org:8006
+user: ansible@pve
+token_id: inventory
+node_hostname: "pve-{{ name }}"
+node_compose:
+  ansible_user: "'root'"
+  ansible_ssh_private_key_file: "'~/.ssh/pve_nodes'"
+  ansible_python_interpreter: "'/usr/bin/python3'"
+
+# gpu.proxmox_gpu.yml: running and stopped containers of pool ml on pve1 and pve2, named NODE-VMID;
+# no node hosts (node_hosts: false)
 plugin: gpuops.fleet.proxmox_gpu
 url: https://pve1.example.org:8006
 user: ansible@pve
@@ -175,6 +225,7 @@ pools: [ml]
 nodes: [pve1, pve2]
 names: ["sglang-*", "vllm-*"]
 hostname: "{{ node }}-{{ vmid }}"
+node_hosts: false
 """
 
 import fnmatch
@@ -204,6 +255,7 @@ RULE_KEYS = {'lxc.cgroup2.devices.allow': True, 'lxc.cgroup.devices.allow': True
              'lxc.cgroup2.devices.deny': False, 'lxc.cgroup.devices.deny': False}
 DEFAULT_PORT = 8006
 CACHE_FORMAT = 2
+NODES_GROUP = 'proxmox_nodes'
 START_TOLERANCE_S = 20  # /cluster/resources uptimes come from pvestatd, refreshed about every 10 s
 
 
@@ -289,6 +341,17 @@ def api_endpoint(url):
     if not parts.hostname:
         raise AnsibleParserError('proxmox_gpu: no host in url %r' % url)
     return parts.hostname, parts.port or DEFAULT_PORT
+
+
+def node_online(item):
+    """Whether a /cluster/status node entry says the node is online (an entry without the field counts as online)."""
+    online = item.get('online')
+    if online is None:
+        return True
+    try:
+        return bool(int(online))
+    except (TypeError, ValueError):
+        return str(online).lower() in ('true', 'yes')
 
 
 def started_at(guest, now):
@@ -409,20 +472,22 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
                 % (self.get_option('url'), len(guests), len(lxc), len([g for g in lxc if g.get('status') == 'running'])))
 
     def _fetch(self, cached_configs):
-        """The selected containers (what the hosts are built from) and the configs to cache.
+        """The selected containers (what the hosts are built from), the configs to cache, and the node hosts.
 
-        The guest list and node addresses are read at every run; a cached config is used only for the same
-        vmid, node and name, started at the same time.
+        The guest list and the nodes with their addresses are read at every run; a cached config is used only for
+        the same vmid, node and name, started at the same time.
         """
         api = self._connect()
         resources = self._get(api, 'cluster/resources', type='vm') or []
         now = time.time()
         selected = sorted((g for g in resources if self._selected(g)), key=lambda g: int(g.get('vmid', 0)))
+        want_nodes = self.get_option('node_hosts')
         if not selected:
             self._warn_empty(resources, selected)
-            return [], {}
-        status = self._get(api, 'cluster/status') or []
-        addresses = {item['name']: item.get('ip') or item['name'] for item in status if item.get('type') == 'node'}
+            return [], {}, self._node_entries(self._node_status(api), []) if want_nodes else []
+        status = [item for item in self._get(api, 'cluster/status') or [] if isinstance(item, dict)]
+        addresses = {item['name']: item.get('ip') or item['name'] for item in status
+                     if item.get('type') == 'node' and item.get('name')}
         found, configs = [], {}
         for guest in selected:
             node, vmid = guest['node'], int(guest['vmid'])
@@ -447,7 +512,44 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
                           'resource': dict(guest)})
         if not found:
             self._warn_empty(resources, found)
-        return found, configs
+        return found, configs, self._node_entries(status, found) if want_nodes else []
+
+    def _node_status(self, api):
+        """/cluster/status when no container needs it: a failure (no Sys.Audit) leaves only the node hosts out."""
+        try:
+            return [item for item in self._get(api, 'cluster/status') or [] if isinstance(item, dict)]
+        except AnsibleParserError as exc:
+            if 'authentication failed' in to_native(exc):
+                raise
+            self.display.warning('proxmox_gpu: no node hosts (%s), the nodes could not be read: %s'
+                                 % (NODES_GROUP, to_native(exc)))
+            return []
+
+    def _node_entries(self, status, containers):
+        """The node hosts: the nodes of /cluster/status (of the nodes option, when set) that are online, and the node
+        of every listed container (so that proxmox_node_host always names a host), sorted by name."""
+        wanted = self.get_option('nodes') or []
+        entries = {}
+        for item in status:
+            if item.get('type') == 'node' and item.get('name') and (not wanted or item['name'] in wanted):
+                entries[str(item['name'])] = item
+        vmids = {}
+        for ct in containers:
+            vmids.setdefault(str(ct['node']), []).append(ct['vmid'])
+        nodes, offline = [], []
+        for name in sorted(set(entries) | set(vmids)):
+            item = entries.get(name) or {'type': 'node', 'name': name}
+            online = node_online(item)
+            if not online and name not in vmids:
+                offline.append(name)
+                continue
+            nodes.append({'name': name, 'address': item.get('ip') or name, 'online': online,
+                          'vmids': sorted(vmids.get(name, [])), 'status': dict(item)})
+        if offline:
+            self.display.warning('proxmox_gpu: left out of %s the node%s %s, offline in /cluster/status at %s'
+                                 % (NODES_GROUP, 's' if len(offline) > 1 else '', ', '.join(offline),
+                                    self.get_option('url')))
+        return nodes
 
     @staticmethod
     def _same_container(entry, identity):
@@ -480,11 +582,57 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
             return fallback
         return name
 
-    def _populate(self, containers):
+    def _node_host_name(self, node):
+        name, fallback = node['name'], 'node_%s' % node['name']
+        template = self.get_option('node_hostname')
+        if template:
+            self.templar.available_variables = wrap_var(node['status'])
+            try:
+                name = str(self.templar.template(template)).strip()
+            except Exception as exc:  # pylint: disable=broad-except
+                if self.get_option('strict'):
+                    raise AnsibleParserError('proxmox_gpu: node_hostname template failed for node %s: %s'
+                                             % (node['name'], to_native(exc)))
+                self.display.warning('proxmox_gpu: node_hostname template failed for node %s, named it %s: %s'
+                                     % (node['name'], fallback, to_native(exc)))
+                name = ''
+        if name and name not in self.inventory.hosts:
+            return name
+        candidate, count = fallback, 1
+        while candidate in self.inventory.hosts:
+            count += 1
+            candidate = '%s_%d' % (fallback, count)
+        if name or not template:
+            self.display.warning('proxmox_gpu: the host name %r of node %s is %s; named it %s'
+                                 % (name, node['name'], 'already taken' if name else 'empty', candidate))
+        return candidate
+
+    def _populate_nodes(self, nodes):
+        """Node hosts in proxmox_nodes; returns {node name: inventory host name}."""
+        strict = self.get_option('strict')
+        group = self.inventory.add_group(NODES_GROUP)
+        names = {}
+        for node in nodes:
+            host = self.inventory.add_host(self._node_host_name(node), group=group)
+            names[node['name']] = host
+            hostvars = wrap_var({
+                'ansible_connection': 'ssh',
+                'ansible_host': node['address'],
+                'proxmox_node': node['name'],
+                'proxmox_node_online': node['online'],
+                'proxmox_node_vmids': node['vmids'],
+            })
+            for key, value in hostvars.items():
+                self.inventory.set_variable(host, key, value)
+            self._set_composite_vars(self.get_option('node_compose'), hostvars, host, strict=strict)
+        return names
+
+    def _populate(self, containers, nodes):
         strict = self.get_option('strict')
         gpu_group = self.inventory.add_group('gpu_containers')
-        for ct in containers:
-            host = self.inventory.add_host(self._host_name(ct))
+        hosts = [(ct, self.inventory.add_host(self._host_name(ct))) for ct in containers]
+        node_hosts = self._populate_nodes(nodes) if self.get_option('node_hosts') else {}
+        for ct, host in hosts:
             minors = [int(NVIDIA_DEV.match(path).group(1)) for path in ct['gpu_devices']]
             hostvars = {
                 'ansible_connection': 'gpuops.fleet.pct',
@@ -500,6 +648,8 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
                 'proxmox_gpu_container_devices': ct['gpu_container_devices'],
                 'proxmox_gpu_denied_devices': ct['gpu_denied_devices'],
             }
+            if ct['node'] in node_hosts:
+                hostvars['proxmox_node_host'] = node_hosts[ct['node']]
             hostvars = wrap_var(hostvars)
             for key, value in hostvars.items():
                 self.inventory.set_variable(host, key, value)
@@ -524,7 +674,7 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
                 cached = None
             if isinstance(cached, dict) and cached.get('format') == CACHE_FORMAT:
                 cached_configs = cached.get('configs') or {}
-        containers, configs = self._fetch(cached_configs)
+        containers, configs, nodes = self._fetch(cached_configs)
         if use_cache:
             self._cache[cache_key] = {'format': CACHE_FORMAT, 'configs': configs}
-        self._populate(containers)
+        self._populate(containers, nodes)

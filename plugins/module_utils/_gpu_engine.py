@@ -13,6 +13,7 @@ import os
 import pwd
 import sys
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 from ansible_collections.gpuops.fleet.plugins.module_utils._jobs import find_jobs
@@ -108,11 +109,27 @@ def fmt_mib(mib):
 
 
 def in_container(proc_root="/proc"):
-    """True when this process runs in a child PID namespace (a container)."""
+    """True when this process runs in a container.
+
+    pid 1's environment says so (LXC sets container=lxc); a Proxmox node (/etc/pve, pct) is
+    none; else a child PID namespace counts as one.
+    """
+    said = node.init_environ_has_container(proc_root)
+    if said:
+        return True
+    if proc_root == "/proc" and node.on_proxmox_node():
+        return False
     try:
         return os.stat("%s/self/ns/pid" % proc_root).st_ino != INIT_PID_NS_INODE
     except OSError:
         return False
+
+
+def view_of(proc_root="/proc"):
+    """container (inside one), node (a Proxmox node: every container's processes) or host (any other machine)."""
+    if in_container(proc_root):
+        return "container"
+    return "node" if proc_root == "/proc" and node.on_proxmox_node() else "host"
 
 
 def _clock_ticks():
@@ -178,7 +195,8 @@ class Engine(object):
         self.self_pid = os.getpid() if self_pid is None else self_pid
         self.gpus = []
         self.driver_version = None
-        self.in_container = in_container(proc_root)
+        self.view = view_of(proc_root)
+        self.in_container = self.view == "container"
         self._ticks = _clock_ticks()
         self._btime = _boot_time(proc_root)
         self._minor_cache = {}
@@ -312,6 +330,8 @@ class Engine(object):
             "nvml_named_on": [],
             "nspid": status.get("nspid"),
             "cgroup": cgroup,
+            "container": None if self.in_container else (node.container_of_cgroup(cgroup) or node.HOST),
+            "container_pid": None if self.in_container else node.pid_in_container(status.get("nspid")),
             "parent_name": parent["comm"] if parent else None,
             "names": names,
             "protected_name": protected_name(names),
@@ -390,6 +410,12 @@ class Engine(object):
         for gpu_report in gpu_reports:
             gpu_report["protected_holders"] = sorted(h["pid"] for h in protected if gpu_report["index"] in h["gpus"])
             gpu_report["holders"] = [p for p in gpu_report["holders"] if p not in own_tree]
+        if not self.in_container:
+            confs = node.read_pve_confs() if self.view == "node" else None
+            for gpu_report in gpu_reports:
+                view = views[gpu_report["index"]]
+                gpu_report["by_container"] = node.by_container(view["procs"], view["used_mib"], holders, self.proc_root)
+                gpu_report["passed_into"] = node.passed_into(confs, gpu_report["minor"])
         report = Report(self, targets, gpu_reports, [h for h in holders if h["pid"] not in own_tree], clients, scan)
         report.protected_holders = sorted(protected, key=lambda r: r["pid"])
         report.views, report.orphans, report.jobs, report.residue = views, orphans, jobs, residue
@@ -525,12 +551,16 @@ class Report(object):
             "all_free": self.all_free,
             "driver_version": self.engine.driver_version,
             "in_container": self.engine.in_container,
+            "view": self.engine.view,
             "unreadable": self.unreadable,
             "diagnosis": self.diagnosis,
         }
 
 
 def _pname(record):
+    where = record.get("container")
+    if where and where != node.HOST:
+        return "pid %d (%s, container %s pid %s)" % (record["pid"], record["name"], where, record.get("container_pid"))
     return "pid %d (%s)" % (record["pid"], record["name"])
 
 

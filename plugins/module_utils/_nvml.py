@@ -380,6 +380,7 @@ class Nvml(object):
 
     def shutdown(self):
         """Shut NVML down; a helper stuck in the driver was killed already, a thread is left behind."""
+        self.handles = {}  # a handle is good for one session only
         if self.in_process:
             if not self.initialized or self.hangs:
                 return

@@ -17,8 +17,10 @@ import stat as stat_mod
 import subprocess
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import matches
 
 try:
@@ -30,7 +32,7 @@ except Exception as _exc:
     HAS_PSUTIL = False
     PSUTIL_IMPORT_ERROR = _exc
 
-RUNGS = ("none", "sigterm", "sigkill", "wait", "reset")
+RUNGS = ("none", "sigterm", "sigkill", "wait", "container_restart", "reset")
 POLL_S = 0.075
 GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wait for its memory
 RESPAWN_WINDOW_S = 3.0   # how long to watch a supervisor after its child was killed
@@ -90,7 +92,7 @@ class Decision(object):
 
 
 def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_pids=(), collateral="refuse",
-           tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB):
+           tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB, scope=None):
     """Split the holders of the targeted GPUs into those to signal and those left alone, with collateral checks.
 
     Pure: works on a Report's records, so it can be tested on recorded states.
@@ -102,7 +104,7 @@ def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_p
     chosen = {}
 
     def consider(record, why):
-        reason = _protected_reason(record, match, protect, protect_pids)
+        reason = _protected_reason(record, match, protect, protect_pids) or (scope.reason(record) if scope else None)
         if reason:
             decision.skipped.append(_skip(record, reason))
             return False
@@ -230,12 +232,14 @@ def alive(record, proc_root="/proc"):
     return not (stat["state"] in ("Z", "X") and stat["num_threads"] <= 1)
 
 
-def send_guarded(record, sig, proc_root="/proc", use_pidfd=True):
+def send_guarded(record, sig, proc_root="/proc", use_pidfd=True, recheck=None):
     """Send sig to the process of record unless its pid now names another process; return the outcome.
 
     A pidfd pins the process; its start time is then checked, so the signal
     cannot reach a reused pid. Without pidfd (Python < 3.9, or use_pidfd=False),
-    psutil's create-time check guards it. Never raises: a refusal is an outcome.
+    psutil's create-time check guards it. recheck(record), when given, is asked
+    once the process is pinned (a node-side release re-reads the container) and
+    a reason it gives stops the signal. Never raises: a refusal is an outcome.
     """
     pid = record["pid"]
     pidfd = None
@@ -253,6 +257,11 @@ def send_guarded(record, sig, proc_root="/proc", use_pidfd=True):
             return "gone"
         if stat["starttime"] != record["starttime_ticks"]:
             return "not sent: pid %d was reused by another process" % pid
+        refusal = recheck(record) if recheck is not None else None
+        if refusal == "gone":
+            return "gone"
+        if refusal:
+            return "not sent: %s" % refusal
         if pidfd is not None:
             try:
                 signal.pidfd_send_signal(pidfd, sig)
@@ -311,28 +320,49 @@ def secure_lock_dir(path):
                            % (path, stat_mod.S_IMODE(st.st_mode)))
 
 
-class GpuLocks(object):
-    """Per-GPU flock files under lock_dir, taken in a fixed order (by UUID)."""
+def lock_name(key):
+    return "gpuops-fleet-gpu-%s.lock" % re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))
 
-    def __init__(self, lock_dir=LOCK_DIR):
-        self.lock_dir = lock_dir
+
+class GpuLocks(object):
+    """Per-GPU flock files under lock_dir, taken in a fixed order (by UUID).
+
+    With `rooted` (a _node.RootLockDir), the directory is another root's (a container's, seen
+    from the node), so that a node-side release and one inside that container exclude each other.
+    """
+
+    def __init__(self, lock_dir=LOCK_DIR, rooted=None):
+        self.lock_dir = rooted.label if rooted is not None else lock_dir
+        self.rooted = rooted
+        self.dir_fd = None
         self.fds = []
         self.waited_s = 0.0
 
     def path(self, key):
-        return os.path.join(self.lock_dir, "gpuops-fleet-gpu-%s.lock" % re.sub(r"[^A-Za-z0-9_.-]", "_", str(key)))
+        return os.path.join(self.lock_dir, lock_name(key))
 
     def _open(self, key):
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
+            if self.rooted is not None:
+                return self.rooted.open_file(self.dir_fd, lock_name(key))
             return os.open(self.path(key), flags, 0o600)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
                 raise LockDirError("refusing the lock file %s: it is a symbolic link" % self.path(key))
             raise
 
+    def _prepare(self):
+        if self.rooted is None:
+            secure_lock_dir(self.lock_dir)
+            return
+        try:
+            self.dir_fd = self.rooted.open()
+        except node.LockDirRefused as exc:
+            raise LockDirError(str(exc))
+
     def acquire(self, keys, timeout, clock=time.monotonic):
-        secure_lock_dir(self.lock_dir)
+        self._prepare()
         start = clock()
         end = start + timeout
         for key in sorted(set(keys)):
@@ -353,23 +383,56 @@ class GpuLocks(object):
         self.waited_s = clock() - start
 
     def release(self):
-        for fd in self.fds:
+        for fd in self.fds + ([self.dir_fd] if self.dir_fd is not None else []):
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self.fds = []
+        self.fds, self.dir_fd = [], None
 
 
-def gpu_summary(report):
-    """Compact per-GPU state for before/after."""
+class _ContainerLocks(object):
+    """The node's GPU locks, then each scoped container's own (through its init's root), so that a
+    node-side release never races one running inside that container."""
+
+    def __init__(self, node_locks, proc_root, scope, keys, timeout):
+        self.all = [node_locks]
+        self.waited_s = node_locks.waited_s
+        inits = node.container_inits(proc_root)
+        try:
+            for vmid in sorted(scope.containers, key=int):
+                init = inits.get(vmid)
+                if init is None:
+                    continue  # not running: nothing in it can release
+                uid, gid = node.owner_of(init, proc_root)
+                rooted = node.RootLockDir("%s/%d/root" % (proc_root, init), LOCK_DIR.strip("/").split("/"), uid, gid)
+                locks = GpuLocks(rooted=rooted)
+                self.all.append(locks)
+                locks.acquire(keys, max(0.0, timeout - (self.waited_s - node_locks.waited_s)))
+                self.waited_s += locks.waited_s
+        except BaseException:
+            self.release()
+            raise
+
+    def release(self):
+        for locks in self.all:
+            locks.release()
+
+
+def gpu_summary(report, scope=None):
+    """Compact per-GPU state for before/after (on a node with its MiB by container)."""
     out = []
     for gpu in report.gpus:
         mem = gpu.get("memory") or {}
-        out.append({"index": gpu["index"], "minor": gpu.get("minor"), "uuid": gpu.get("uuid"),
-                    "used_mib": mem.get("used_mib"), "reserved_mib": mem.get("reserved_mib"),
-                    "v1_used_mib": mem.get("v1_used_mib"), "free": gpu["free"], "holders": gpu.get("holders", []),
-                    "error": gpu.get("error")})
+        entry = {"index": gpu["index"], "minor": gpu.get("minor"), "uuid": gpu.get("uuid"),
+                 "used_mib": mem.get("used_mib"), "reserved_mib": mem.get("reserved_mib"),
+                 "v1_used_mib": mem.get("v1_used_mib"), "free": gpu["free"], "holders": gpu.get("holders", []),
+                 "error": gpu.get("error")}
+        if "by_container" in gpu:
+            entry["by_container"] = gpu["by_container"]
+        if scope is not None:
+            entry["free_for_scope"] = free_for_scope(report, gpu, scope)
+        out.append(entry)
     return out
 
 
@@ -379,8 +442,16 @@ class Releaser(object):
     def __init__(self, engine, targets, term_timeout=10.0, kill_timeout=10.0, verify_timeout=30.0, reset_timeout=120.0,
                  gpu_reset=False, lock_timeout=60.0, match=None, protect=None, deadline=None,
                  log=None, check_mode=False, lock_dir=LOCK_DIR, nvidia_smi=None, poll_s=POLL_S,
-                 collateral="refuse", collateral_tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB):
+                 collateral="refuse", collateral_tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB, scope=None, shared_gpu="all",
+                 container_restart=False, restart_backend=None, container_timeout=60.0):
         self.engine = engine
+        self.scope = scope
+        self.own_only = scope is not None and shared_gpu == "own"
+        self.container_restart = container_restart
+        self.restart_backend = restart_backend
+        self.container_timeout = container_timeout
+        self.restart_plan = []
+        self.restarted = []
         self.collateral = collateral
         self.tolerance_mib = collateral_tolerance_mib
         self.targets = list(targets)
@@ -436,6 +507,8 @@ class Releaser(object):
             self.rung = rung
 
     def _memory_free(self):
+        if self.own_only:
+            return targets_free(self.engine.snapshot(self.targets), self.scope)
         return all(self.engine.is_free(self.engine.memory(index)) for index in self.targets)
 
     def _record(self, record, signame, outcome):
@@ -447,7 +520,7 @@ class Releaser(object):
     def _signal(self, records, sig, signame):
         sent = False
         for record in records:
-            outcome = send_guarded(record, sig, self.proc_root)
+            outcome = send_guarded(record, sig, self.proc_root, recheck=self.scope.recheck if self.scope else None)
             self._record(record, signame, outcome)
             if outcome == "sent":
                 sent = True
@@ -557,7 +630,7 @@ class Releaser(object):
     # -- the ladder
     def _decide(self, report):
         return decide(report, self.targets, [g["index"] for g in self.engine.gpus], self.match, self.protect,
-                      self.engine.own_tree_skip(), self.collateral, self.tolerance_mib)
+                      self.engine.own_tree_skip(), self.collateral, self.tolerance_mib, self.scope)
 
     def prepare(self, report):
         """Decide whom to signal; returns the plan (check mode's answer). self.refusals stops the task."""
@@ -566,7 +639,86 @@ class Releaser(object):
         self.jobs = decision.jobs
         self._known_pids = set(r["pid"] for r in report.holders) | set(r["pid"] for r in report.clients)
         self.plan = [plan_entry(r, self.targets, decision, self.tolerance_mib) for r in self.to_signal]
+        if self.container_restart and self.scope is not None:
+            self.restart_plan = self._restart_plan(report)
         return self.plan
+
+    # -- the container rung (node side)
+    def _restart_plan(self, report):
+        """Per scoped container holding a targeted GPU: every process and every GPU a restart would stop."""
+        targets = set(self.targets)
+        members = node.processes_by_container(self.proc_root)
+        out = []
+        for vmid in sorted(self.scope.containers, key=int):
+            holders = [h for h in report.holders if h.get("container") == vmid]
+            gpus = set()
+            for h in holders:
+                gpus.update(h["gpus"] + h["ambiguous_gpus"] + (h["maps_gpus"] if h["unattributed"] else []))
+            held_mib = sum((g.get("by_container") or {}).get(vmid, 0) for g in report.gpus)
+            if not (gpus & targets) and held_mib <= self.engine.threshold_mib:
+                continue
+            over = sorted(set(pair for h in holders for pair in pinning.untargeted_shares(h, targets, self.tolerance_mib)[0]))
+            entry = {"vmid": int(vmid), "gpus": sorted(gpus), "untargeted_gpus": [i for i, dummy in over],
+                     "processes": members.get(vmid, []), "backend": getattr(self.restart_backend, "name", None),
+                     "refusal": restart.refusal(self.restart_backend, vmid) if self.restart_backend else None}
+            if over and self.collateral != "stop":
+                self.refusals.append(
+                    "container_restart would restart container %s, whose processes also hold %s, which %s not "
+                    "targeted (a restart stops everything in it: %d processes); nothing was signalled. To go on, set "
+                    "collateral: stop, or target %s too" % (vmid, _mib_list(over), "is" if len(over) == 1 else "are",
+                                                           len(entry["processes"]), _gpu_list_words([i for i, d in over])))
+            out.append(entry)
+        return out
+
+    def _restart_containers(self, why):
+        """Stop and start each planned container that still holds a targeted GPU; sets self.failure when one fails."""
+        report = self.engine.snapshot(self.targets)
+        busy = [e for e in self.restart_plan if self._container_holds(report, str(e["vmid"]))]
+        if not busy:
+            return
+        self._set_rung("container_restart")
+        for entry in busy:
+            vmid = entry["vmid"]
+            if entry["refusal"]:
+                self.failure = "%s; %s" % (why, entry["refusal"])
+                return
+            blocked = [(h, t) for h in report.holders if h.get("container") == str(vmid) for t in h["blocked_threads"]]
+            stopped = self.restart_backend.stop(vmid, self.container_timeout)
+            self._record_container(vmid, "container_stop", stopped)
+            if not stopped["ok"]:
+                if blocked:
+                    holder, thread = blocked[0]
+                    self.failure = ("container %s did not stop (%s): pid %d (%s) has thread %d in D state (wchan %s) "
+                                    "holding %s; it is stuck in the driver, and only a driver reload or a node reboot "
+                                    "frees it" % (vmid, stopped["text"], holder["pid"], holder["name"], thread["tid"],
+                                                  thread.get("wchan") or "unknown",
+                                                  _gpu_list_words(holder["gpus"] or holder["maps_gpus"])))
+                else:
+                    self.failure = "container %s did not stop: %s" % (vmid, stopped["text"])
+                return
+            self.restarted.append(vmid)
+            started = self.restart_backend.start(vmid, self.container_timeout)
+            self._record_container(vmid, "container_start", started)
+            if not started["ok"]:
+                self.failure = "container %s was stopped (freeing its GPUs) but did not start again: %s" % (
+                    vmid, started["text"])
+                return
+        self.failure = None
+
+    def _container_holds(self, report, vmid):
+        for gpu in report.gpus:
+            if gpu["index"] in self.targets and not gpu["free"] and (gpu.get("by_container") or {}).get(vmid, 0) > 0:
+                return True
+        return any(h.get("container") == vmid and set(self.targets) & set(h["gpus"] + h["ambiguous_gpus"])
+                   for h in report.holders)
+
+    def _record_container(self, vmid, what, result):
+        action = {"time": round(time.time(), 3), "elapsed_s": round(self.now() - self.started, 3), "pid": 0,
+                  "name": "container %s" % vmid, "vmid": vmid, "signal": what, "task": result["task"],
+                  "seconds": result["seconds"],
+                  "outcome": ("done: %s" % result["text"]) if result["ok"] else ("failed: %s" % result["text"])}
+        self.actions.append(action)
+        self.log("gpuops.fleet.gpu_release: %s of container %s: %s" % (what, vmid, action["outcome"]))
 
     def _escalate(self, records, watched):
         """SIGTERM, wait, SIGKILL the survivors, wait; returns the last wait's outcome."""
@@ -633,6 +785,10 @@ class Releaser(object):
             self._check_respawn(RESPAWN_WINDOW_S)
             return
         if self.signalled and self._check_respawn(0.0):
+            if self.restart_plan:
+                self._restart_containers(self.failure)
+                if not self.failure:
+                    self._verify_wait(self.verify_timeout, [])
             return
         # D-state threads, or memory held by something not signalled: wait up to verify_timeout
         survivors = [r for r in watched if alive(r, self.proc_root)]
@@ -643,6 +799,12 @@ class Releaser(object):
             if self.signalled:
                 self._check_respawn(RESPAWN_WINDOW_S)
             return
+        if self.restart_plan:
+            self._restart_containers("SIGKILL left the targeted memory held")
+            if self.failure:
+                return
+            if self.restarted and self._verify_wait(self.verify_timeout, []) == "free":
+                return
         if self.gpu_reset:
             self._reset()
             self._verify_wait(self.reset_timeout, [])
@@ -678,6 +840,13 @@ class Releaser(object):
                         or (h["unattributed"] and (not h["maps_gpus"] or gpu["index"] in h["maps_gpus"]))]
             blockers += [dict(b, blocked_threads=[{"wchan": "%s (unreadable: blocked)" % (b.get("wchan") or "?")}])
                          for b in report.unreadable if b["pid"] in gpu.get("blocked", ())]
+            # a real reset fails while any process has the GPU open: NVML clients block it too
+            blockers += [dict(c, blocked_threads=[]) for c in report.clients if gpu["minor"] in c["fd_gpu_minors"]]
+            listed = [p["pid"] for p in gpu.get("nvml_processes", [])]
+            if listed and not blockers:
+                self._record(fake, "reset", "refused: NVML lists pid %s on it (%s)"
+                             % (", ".join(str(p) for p in listed), "a process this node does not show"))
+                continue
             if blockers:
                 names = ", ".join("pid %d (%s%s)" % (b["pid"], b["name"],
                                                      ", D state in %s" % b["blocked_threads"][0].get("wchan")
@@ -687,7 +856,8 @@ class Releaser(object):
             if smi is None:
                 self._record(fake, "reset", "failed: nvidia-smi not found in PATH or %s" % ", ".join(NVIDIA_SMI_DIRS))
                 continue
-            cmd = [smi, "--gpu-reset", "-i", str(gpu["index"])]
+            cmd = [smi, "--gpu-reset", "-i", gpu.get("pci_bus_id") or str(gpu["index"])]
+            self.engine.nvml.shutdown()  # this module's own NVML session has the device open: it would block the reset
             left = self._left()
             timeout = max(1.0, min(self.reset_timeout, left if left is not None else self.reset_timeout))
             env = dict(os.environ, LC_ALL="C")
@@ -704,10 +874,11 @@ class Releaser(object):
                 self._record(fake, "reset", "failed: nvidia-smi --gpu-reset did not return within %gs" % timeout)
             except OSError as exc:
                 self._record(fake, "reset", "failed: %s" % exc)
+            self.engine.start()
 
     @property
     def changed(self):
-        return bool(self.signalled) or self.reset_done
+        return bool(self.signalled) or self.reset_done or bool(self.restarted)
 
 
 def _now_ticks(proc_root="/proc"):
@@ -727,15 +898,38 @@ def _now_ticks(proc_root="/proc"):
         return 0
 
 
+def scope_holders(report, index, scope):
+    """Holders of GPU index that a node-side release's scope covers."""
+    return [h for h in report.holders if scope.allows(h.get("container") or "")
+            and (index in h["gpus"] + h["ambiguous_gpus"] or (h["unattributed"] and (not h["maps_gpus"] or index in h["maps_gpus"])))]
+
+
+def free_for_scope(report, gpu, scope):
+    """shared_gpu: own. Free, or held by nothing of the scope (its MiB by container within the threshold)."""
+    if gpu["free"]:
+        return True
+    if gpu.get("error") or scope_holders(report, gpu["index"], scope):
+        return False
+    mib = sum(v for k, v in (gpu.get("by_container") or {}).items() if scope.allows(k))
+    return mib <= report.engine.threshold_mib
+
+
+def targets_free(report, scope=None):
+    """Every targeted GPU free; with a scope (shared_gpu: own), free of everything the scope holds."""
+    if scope is None:
+        return report.all_free
+    return bool(report.gpus) and all(free_for_scope(report, g, scope) for g in report.gpus)
+
+
 def _used(report):
     return dict((g["index"], (g.get("memory") or {}).get("used_mib")) for g in report.gpus)
 
 
-def remaining_of(report):
-    """What still holds memory on the GPUs that are not free."""
+def remaining_of(report, scope=None):
+    """What still holds memory on the GPUs that are not free (for the scope, with shared_gpu: own)."""
     out = []
     for gpu in report.gpus:
-        if gpu["free"]:
+        if gpu["free"] or (scope is not None and free_for_scope(report, gpu, scope)):
             continue
         holders = []
         for pid in gpu.get("holders", []):
@@ -786,22 +980,29 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                         match=opts.get("match"), protect=opts.get("protect"), deadline=deadline, log=log,
                         check_mode=check_mode, lock_dir=lock_dir, nvidia_smi=opts.get("nvidia_smi"),
                         collateral=opts.get("collateral", "refuse"),
-                        collateral_tolerance_mib=opts.get("collateral_tolerance_mib", pinning.DEFAULT_TOLERANCE_MIB))
+                        collateral_tolerance_mib=opts.get("collateral_tolerance_mib", pinning.DEFAULT_TOLERANCE_MIB),
+                        scope=opts.get("scope"), shared_gpu=opts.get("shared_gpu", "all"),
+                        container_restart=opts.get("container_restart", False),
+                        restart_backend=opts.get("restart_backend"), container_timeout=opts.get("container_timeout", 60.0))
+    scope = releaser.scope if releaser.own_only else None
     if progress is not None:
         progress["releaser"] = releaser
     result = {"changed": False, "actions": releaser.actions, "rung_reached": "none", "plan": [], "lock_wait_s": 0.0,
               "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
-              "collateral": [], "jobs": []}
+              "collateral": [], "jobs": [], "restart_plan": [], "view": engine.view,
+              "scope": None if releaser.scope is None else {"containers": sorted(int(c) for c in releaser.scope.containers),
+                                                            "host_processes": releaser.scope.host_processes}}
 
     def finish(failed, msg, before, after):
         result["rung_reached"] = releaser.rung
         result["changed"] = releaser.changed if not check_mode else bool(releaser.plan)
-        result["before"] = gpu_summary(before)
-        result["after"] = gpu_summary(after) if after is not None else None
+        result["before"] = gpu_summary(before, scope)
+        result["after"] = gpu_summary(after, scope) if after is not None else None
+        result["restart_plan"] = releaser.restart_plan
         if after is not None:
             b, a = _used(before), _used(after)
             result["released_mib"] = max(0, sum((b[i] or 0) - (a.get(i) or 0) for i in b if b[i] is not None))
-            result["remaining"] = remaining_of(after)
+            result["remaining"] = remaining_of(after, scope)
             result["diagnosis"] = list(after.diagnosis)
         result["plan"] = releaser.plan
         result["jobs"] = sorted(releaser.jobs.values(), key=lambda j: j["id"])
@@ -824,7 +1025,10 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             wait = max(0.0, min(wait, deadline - time.monotonic()))
         try:
             locks.acquire(gpu_keys, wait)
+            if releaser.scope is not None and releaser.scope.containers:
+                locks = _ContainerLocks(locks, engine.proc_root, releaser.scope, gpu_keys, wait - locks.waited_s)
         except (LockTimeout, LockDirError) as exc:
+            locks.release()
             return True, "%s; nothing was signalled" % exc, dict(result, elapsed_s=round(time.monotonic() - started, 3))
         result["lock_wait_s"] = round(locks.waited_s, 3)
     try:
@@ -835,8 +1039,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                             for g in broken)
             result["diagnosis"] = list(before.diagnosis)
             return finish(True, "NVML failed, nothing was signalled: " + msg, before, None)
-        if before.all_free:
-            return finish(False, "every targeted GPU is already free", before, before)
+        if targets_free(before, scope):
+            return finish(False, "every targeted GPU is already free" if before.all_free else
+                          "nothing of %s holds the targeted GPUs (shared_gpu: own)" % releaser.scope.describe(), before, before)
         releaser.prepare(before)
         if releaser.refusals:
             result["diagnosis"] = list(before.diagnosis)
@@ -854,9 +1059,10 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         locks.release()
     if releaser.failure:
         return finish(True, releaser.failure, before, after)
-    if after.all_free:
-        return finish(False, "verified free", before, after)
-    busy = [g for g in after.gpus if not g["free"]]
+    if targets_free(after, scope):
+        return finish(False, "verified free" if after.all_free else
+                      "verified free of %s (shared_gpu: own)" % releaser.scope.describe(), before, after)
+    busy = [g for g in after.gpus if not (free_for_scope(after, g, scope) if scope else g["free"])]
     tried = ", ".join("%s to %d: %s" % (a["signal"], a["pid"], a["outcome"]) if a["pid"] else
                       "%s %s: %s" % (a["signal"], a["name"], a["outcome"]) for a in releaser.actions) or "nothing"
     failed, msg, res = finish(True, "", before, after)

@@ -133,6 +133,88 @@ options:
         cannot leave it running forever. More than 0.
     type: float
     default: 180
+  containers:
+    description:
+      - On a Proxmox VE node (the module sees every container's processes there), the vmids whose processes may be
+        signalled. A process belongs to container VMID when the first C(lxc/VMID/ns) in its cgroup path names it;
+        membership is read again at signal time, beside the pid-reuse guard.
+      - On a node, a release with neither O(containers) nor O(host_processes) fails before any signal.
+      - Inside a container, setting it fails the task (a container sees only its own processes).
+      - The release also takes each listed container's own per-GPU locks (through C(/proc/INIT/root/run/lock)), so
+        it never races a release running inside that container.
+    type: list
+    elements: int
+    default: []
+  host_processes:
+    description:
+      - On a Proxmox VE node, also allow signalling processes that are in no container (the node's own, such as
+        workers that survived C(docker rm -f)). The built-in protected names are never signalled.
+    type: bool
+    default: false
+  shared_gpu:
+    description:
+      - On a node with O(containers), when a targeted GPU counts as free.
+      - V(all) demands the whole GPU free.
+      - "V(own) counts it free when nothing of O(containers) (and of the node, with O(host_processes)) holds it: no
+        such holder, and their MiB by container (RV(before[].by_container)) within O(threshold_mib). Memory of other
+        containers is reported, not waited for."
+    type: str
+    choices: [all, own]
+    default: all
+  container_restart:
+    description:
+      - On a node, the container rung. When SIGKILL leaves targeted memory held by a scoped container (its processes
+        come back faster than they die, or a holder is stuck), stop and start that container, and verify again.
+      - A restart stops everything in the container, work on other GPUs, monitors and sshd included. RV(restart_plan)
+        lists every process and every GPU it affects, in check mode too. A container whose holders also hold an
+        untargeted GPU (beyond O(collateral_tolerance_mib)) makes the task fail before any signal unless
+        O(collateral=stop).
+      - A container that is locked (backup, migrate, snapshot) or managed by HA is not restarted; the task fails
+        naming the lock or the HA resource.
+      - A thread stuck in the driver (D state) survives a container stop too; the stop then times out and the task
+        fails naming the thread's wchan.
+      - Through the Proxmox API with O(proxmox_api), else with C(pct stop) and C(pct start) on the node.
+    type: bool
+    default: false
+  container_timeout:
+    description: Seconds the stop, and then the start, of a container may take each. More than 0.
+    type: float
+    default: 60
+  proxmox_api:
+    description:
+      - Credentials for the container rung's Proxmox API calls (C(status/stop), C(status/start), waiting for both
+        tasks, C(config) for the lock and C(cluster/ha/resources)). Needs proxmoxer and requests on the node.
+      - Without it, C(pct) and the files under C(/etc/pve) of the node are used.
+    type: dict
+    suboptions:
+      host:
+        description: API host name or address.
+        type: str
+        required: true
+      port:
+        description: API port.
+        type: int
+        default: 8006
+      user:
+        description: User, C(USER@REALM).
+        type: str
+        required: true
+      token_id:
+        description: API token id (the part after C(!)).
+        type: str
+      token_secret:
+        description: API token secret.
+        type: str
+      password:
+        description: Password, when no token is given.
+        type: str
+      validate_certs:
+        description: Verify the API's TLS certificate.
+        type: bool
+        default: true
+      ca_path:
+        description: CA bundle to verify the API's certificate with (C(/etc/pve/pve-root-ca.pem) on a node).
+        type: path
 seealso:
   - module: gpuops.fleet.gpu_status
 """
@@ -179,7 +261,10 @@ changed:
   type: bool
   sample: true
 before:
-  description: Per targeted GPU, the state before the ladder.
+  description:
+    - Per targeted GPU, the state before the ladder.
+    - Outside a container also C(by_container), the MiB per container from NVML's node view (C(host) for processes in
+      no container, C(unattributed) for memory no process accounts for), and with O(shared_gpu=own) C(free_for_scope).
   returned: success or failure after NVML answered
   type: list
   elements: dict
@@ -224,12 +309,31 @@ actions:
       type: str
       sample: SIGKILL
     outcome:
-      description: C(sent), C(gone), C(not sent... pid reused), or the reset's result (C(done...), C(refused...), C(failed...)).
+      description:
+        - C(sent), C(gone), C(not sent... pid reused), C(not sent... out of scope) (node side, membership read again),
+          or the result of a reset or a container stop or start (C(done...), C(refused...), C(failed...)).
       type: str
       sample: sent
+    vmid:
+      description: The container of a C(container_stop) or C(container_start) step.
+      type: int
+      returned: for the container rung
+      sample: 101
+    task:
+      description: The Proxmox task id (UPID) of a container step through the API, or the C(pct) command run.
+      type: str
+      returned: for the container rung
+      sample: "UPID:pve1:0001A2B3:00C0FFEE:6752D3A0:vzstop:101:root@pam:"
+    seconds:
+      description: How long the container step took.
+      type: float
+      returned: for the container rung
+      sample: 1.42
   sample: [{"time": 1764430000.512, "elapsed_s": 0.061, "pid": 533, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}]
 rung_reached:
-  description: The highest rung climbed; one of C(none), C(sigterm), C(sigkill), C(wait) (holders stuck in D state), C(reset).
+  description:
+    - The highest rung climbed; one of C(none), C(sigterm), C(sigkill), C(wait) (holders stuck in D state),
+      C(container_restart) (node side), C(reset).
   returned: always
   type: str
   sample: sigkill
@@ -292,6 +396,27 @@ lock_wait_s:
   returned: always
   type: float
   sample: 0.0
+view:
+  description: Where the module ran. C(container), C(node) (a Proxmox VE node) or C(host) (any other machine).
+  returned: always
+  type: str
+  sample: node
+scope:
+  description: On a node, the containers whose processes may be signalled and whether processes in no container may be.
+  returned: always
+  type: dict
+  sample: {"containers": [101], "host_processes": false}
+restart_plan:
+  description:
+    - With O(container_restart), per scoped container that holds a targeted GPU, what a restart would stop.
+    - C(processes) is every process of the container (C(pid) on the node, C(container_pid), C(name)); C(gpus) every
+      GPU its holders hold or map; C(untargeted_gpus) those beyond the tolerance that are not targeted; C(refusal) the
+      lock or HA resource that forbids the restart, or null; C(backend) is C(api) or C(pct).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"vmid": 101, "gpus": [0], "untargeted_gpus": [], "backend": "pct", "refusal": null,
+            "processes": [{"pid": 4021, "container_pid": 1, "name": "init"}, {"pid": 4388, "container_pid": 77, "name": "gpu_worker"}]}]
 respawned:
   description: The new holder and its parent when a respawn was detected; null otherwise.
   returned: always
@@ -308,6 +433,9 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
     GPU_COMMON_ARGS, check_common_params, check_libraries, check_numbers, engine_from_params, no_gpu_message,
 )
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
+from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import view_of
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import ReleaseTimeout, backstop_result, release
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import (
@@ -319,6 +447,39 @@ BACKSTOP_S = 5.0  # the hard alarm fires this long after `timeout`, should a wai
 
 def _backstop(signum, frame):
     raise ReleaseTimeout("the overall timeout was reached (hard stop)")
+
+
+def check_scope(module):
+    """The node-side scope (a _node.Scope), or None inside a container or on a plain host without one.
+
+    Fails the task, before NVML is opened, on options that do not fit where it runs.
+    """
+    params = module.params
+    view = view_of()
+    bad = [c for c in params["containers"] if c < 100]
+    if bad:
+        module.fail_json(msg="containers: %s is no Proxmox vmid (vmids are 100 or more)" % bad[0])
+    if view == "container":
+        if params["containers"] or params["host_processes"]:
+            module.fail_json(msg="containers and host_processes apply on a Proxmox node only; this task runs inside a "
+                                 "container, which sees only its own processes")
+        if params["gpu_reset"]:
+            module.fail_json(msg="gpu_reset is refused inside a container: a reset needs every process of the node off "
+                                 "the GPU, which only the node can see; run gpu_release with gpu_reset: true on the "
+                                 "Proxmox node (delegate_to the node, containers: [VMID]), or the release_gpus role "
+                                 "with release_gpus_from: node")
+    if params["container_restart"] and not params["containers"]:
+        module.fail_json(msg="container_restart needs containers: [VMID, ...] (the containers it may restart), on the "
+                             "Proxmox node")
+    if params["shared_gpu"] == "own" and not (params["containers"] or params["host_processes"]):
+        module.fail_json(msg="shared_gpu: own needs containers (or host_processes) on the Proxmox node")
+    if view == "node" and not (params["containers"] or params["host_processes"]):
+        module.fail_json(msg="gpu_release runs on a Proxmox node here, where it sees the processes of every container: "
+                             "it signals nothing without a scope; set containers: [VMID, ...] to signal those "
+                             "containers' processes, and host_processes: true to also signal processes in no container")
+    if params["containers"] or params["host_processes"]:
+        return node.Scope(params["containers"], params["host_processes"])
+    return None
 
 
 def main():
@@ -335,6 +496,21 @@ def main():
         timeout=dict(type="float", default=180.0),
         collateral=dict(type="str", default="refuse", choices=["refuse", "stop"]),
         collateral_tolerance_mib=dict(type="int", default=640),
+        containers=dict(type="list", elements="int", default=[]),
+        host_processes=dict(type="bool", default=False),
+        shared_gpu=dict(type="str", default="all", choices=["all", "own"]),
+        container_restart=dict(type="bool", default=False),
+        container_timeout=dict(type="float", default=60.0),
+        proxmox_api=dict(type="dict", options=dict(
+            host=dict(type="str", required=True),
+            port=dict(type="int", default=8006),
+            user=dict(type="str", required=True),
+            token_id=dict(type="str"),
+            token_secret=dict(type="str", no_log=True),
+            password=dict(type="str", no_log=True),
+            validate_certs=dict(type="bool", default=True),
+            ca_path=dict(type="path"),
+        )),
     )
     module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
     started = time.monotonic()
@@ -343,8 +519,9 @@ def main():
     # bad input fails before NVML is even opened
     check_numbers(module, ["term_timeout", "kill_timeout", "verify_timeout", "lock_timeout", "reset_timeout",
                            "collateral_tolerance_mib"])
-    check_numbers(module, ["timeout"], strict=True)
+    check_numbers(module, ["timeout", "container_timeout"], strict=True)
     patterns = check_common_params(module)
+    scope = check_scope(module)
     try:
         match = compile_regex(params["match"], "match") if params["match"] is not None else None
         protect = Protect(params["protect"])
@@ -375,7 +552,13 @@ def main():
         names = ("term_timeout", "kill_timeout", "verify_timeout", "gpu_reset", "reset_timeout", "lock_timeout", "timeout",
                  "collateral", "collateral_tolerance_mib")
         options = dict((k, params[k]) for k in names)
-        options.update(match=match, protect=protect)
+        options.update(match=match, protect=protect, scope=scope, shared_gpu=params["shared_gpu"],
+                       container_restart=params["container_restart"], container_timeout=params["container_timeout"])
+        if params["container_restart"]:
+            try:
+                options["restart_backend"] = restart.backend_for(params["proxmox_api"])
+            except restart.RestartError as exc:
+                module.fail_json(msg="%s; nothing was signalled" % exc, changed=False)
         failed, msg, result = release(engine, targets, options, check_mode=module.check_mode, log=module.log,
                                       deadline=deadline, progress=progress)
     except ReleaseTimeout as exc:

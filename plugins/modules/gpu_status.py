@@ -91,12 +91,35 @@ in_container:
   returned: success
   type: bool
   sample: true
+view:
+  description:
+    - Where the module ran. C(container) (inside one, it sees only that container's processes), C(node) (a Proxmox
+      VE node, found by C(/etc/pve) or C(pct); it sees every container's processes, with host pids) or C(host).
+  returned: success
+  type: str
+  sample: node
 gpus:
   description: One entry per selected GPU, in NVML order.
   returned: success
   type: list
   elements: dict
   contains:
+    by_container:
+      description:
+        - Outside a container, the GPU's used MiB per container, from NVML's node view (the pid's container; a dead
+          pid is charged to its heir's container). C(host) is memory of processes in no container, C(unattributed)
+          memory no process accounts for. The values add up to C(memory.used_mib).
+      type: dict
+      returned: on a node or host
+      sample: {"101": 4096, "102": 2048, "unattributed": 0}
+    passed_into:
+      description:
+        - On a Proxmox node, the vmids whose config (C(/etc/pve/lxc/VMID.conf), a C(devN) key or an
+          C(lxc.mount.entry)) passes this GPU in; null where the configs cannot be read.
+      type: list
+      elements: int
+      returned: on a node or host
+      sample: [101, 102]
     index:
       description: NVML index (as numbered where the module runs).
       type: int
@@ -352,6 +375,18 @@ holders:
       description: The process's cgroup (v2 path).
       type: str
       sample: /lxc/101/ns/system.slice/sglang.service
+    container:
+      description:
+        - Outside a container, the vmid of the container the process is in (the first C(lxc/VMID/ns) of its cgroup
+          path), or C(host) when it is in none; null inside a container.
+      type: str
+      sample: "101"
+    container_pid:
+      description:
+        - Outside a container, its pid inside that container (from C(NSpid), at the level of the container init's PID
+          namespace, so Docker inside LXC gives the LXC-level pid); null for a process of the node or inside a container.
+      type: int
+      sample: 212
     parent_name:
       description: The parent's name.
       type: str

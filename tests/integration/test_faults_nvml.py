@@ -146,7 +146,7 @@ def test_no_v2_call_is_unverifiable_and_never_free_or_reset(lab, fault):
     assert status.failed and gpu(status, 1)["free"] is False and status["all_free"] is False, status
     assert "memory unverifiable on this driver" in status["msg"] and "reserved_floor_mib" in status["msg"]
     lab.labctl("leak", "--node", "pve1", "--gpu", 1, "--mib", 2048)
-    release = bounded_play(lab, "ct101", "gpu_release", {"gpus": [1], "gpu_reset": True, "verify_timeout": 1})
+    release = bounded_play(lab, "pve1", "gpu_release", {"gpus": [1], "containers": [101], "gpu_reset": True, "verify_timeout": 1})
     assert release.failed and "memory unverifiable on this driver" in release["msg"], release
     assert release["changed"] is False and release["actions"] == [] and release["rung_reached"] == "none"
     assert lab.used(1) == 2048  # never reset on v1 used

@@ -116,11 +116,12 @@ def test_match_selects_among_holders(clean):
 def test_stuck_holder_is_diagnosed_and_reset_refused(clean):
     lab = clean
     run = lab.run("stuck", 102, [0])                     # minor 4
-    play = lab.play("ct102", "gpu_release", {"gpus": [0], "term_timeout": 0.5, "kill_timeout": 0.5,
-                                             "verify_timeout": 1.5, "gpu_reset": True})
+    # a reset is the node's (issue 11): from the node, scoped to container 102
+    play = lab.play("pve1", "gpu_release", {"gpus": [lab.truth()[4]["uuid"]], "containers": [102], "term_timeout": 0.5,
+                                            "kill_timeout": 0.5, "verify_timeout": 1.5, "gpu_reset": True})
     assert play.failed and lab.used(4) == 512 and host_alive(run["holders"][0])
     assert play["rung_reached"] == "reset"
-    pid = run["container_holders"][0]
+    pid = run["node_holders"][0]
     assert [a["signal"] for a in play["actions"] if a["pid"] == pid] == ["SIGTERM", "SIGKILL"]
     refused = [a for a in play["actions"] if a["signal"] == "reset"]
     assert refused and refused[0]["outcome"].startswith("refused: pid %d" % pid)
@@ -137,7 +138,10 @@ def test_leaked_memory_needs_a_reset(clean):
     assert play.failed and lab.used(3) == 1000 and play["actions"] == []
     assert "1000 MiB is used by no process visible here" in play["msg"]
     assert play["remaining"][0]["unattributed_mib"] == 1000
-    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[3], gpu_reset=True))
+    inside = lab.play("ct101", "gpu_release", dict(FAST, gpus=[3], gpu_reset=True))
+    assert inside.failed and "gpu_reset is refused inside a container" in inside["msg"] and lab.used(3) == 1000
+    play = lab.play("pve1", "gpu_release", dict(FAST, gpus=[lab.truth()[3]["uuid"]], containers=[101],
+                                                gpu_reset=True))
     assert not play.failed, play
     assert lab.used(3) == 0 and play["changed"] is True and play["rung_reached"] == "reset"
     assert [a["outcome"][:4] for a in play["actions"] if a["signal"] == "reset"] == ["done"]

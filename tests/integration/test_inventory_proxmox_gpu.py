@@ -74,6 +74,11 @@ def plain(value):
     return value
 
 
+def cts(hostvars):
+    """The container hosts of a listing's hostvars (node hosts left out), sorted."""
+    return sorted(name for name, hv in hostvars.items() if "pct_vmid" in hv)
+
+
 def unsafe_keys(listed, host):
     return {k for k, v in listed["_meta"]["hostvars"][host].items() if isinstance(v, dict) and "__ansible_unsafe" in v}
 
@@ -179,7 +184,7 @@ def test_api_reads_the_live_lab(lab):
 def test_inventory_lists_running_containers_on_their_nodes(lab):
     listed = inventory(lab["api_inventory"])
     hv = listed["_meta"]["hostvars"]
-    assert sorted(hv) == ["ct101", "ct102", "ct201", "ct202"]
+    assert cts(hv) == ["ct101", "ct102", "ct201", "ct202"]
     assert sorted(listed["gpu_containers"]["hosts"]) == ["ct101", "ct201", "ct202"]
     assert sorted(listed["proxmox_node_pve1"]["hosts"]) == ["ct101", "ct102"]
     assert sorted(listed["proxmox_node_pve2"]["hosts"]) == ["ct201", "ct202"]
@@ -199,11 +204,44 @@ def test_ping_through_the_inventory(lab):
     assert proc.stdout.count("SUCCESS") == 3 and '"ping": "pong"' in proc.stdout
 
 
+def test_nodes_are_ssh_hosts_in_proxmox_nodes(lab, tmp_path):
+    listed = inventory(lab["api_inventory"])
+    hv = listed["_meta"]["hostvars"]
+    assert sorted(listed["proxmox_nodes"]["hosts"]) == ["pve1", "pve2"]
+    for node, vmids in (("pve1", [101, 102]), ("pve2", [201, 202])):
+        assert hv[node] == dict(hv[node], ansible_connection="ssh", ansible_host=lab["nodes"][node]["address"],
+                                proxmox_node=node, proxmox_node_online=True, proxmox_node_vmids=vmids,
+                                lab_node=node, ansible_user="root",
+                                ansible_python_interpreter=os.path.join(REPO, ".lab", "venv", "bin", "python"))
+        assert "pct_vmid" not in hv[node] and node not in listed["proxmox_node_%s" % node]["hosts"]
+    assert {ct: hv[ct]["proxmox_node_host"] for ct in cts(hv)} == {
+        "ct101": "pve1", "ct102": "pve1", "ct201": "pve2", "ct202": "pve2"}
+    assert "pve1" not in listed["gpu_containers"]["hosts"]
+    # off: containers only, as before
+    off = inventory(variant(lab, tmp_path, node_hosts=False))
+    assert sorted(off["_meta"]["hostvars"]) == ["ct101", "ct102", "ct201", "ct202"] and "proxmox_nodes" not in off
+    assert "proxmox_node_host" not in off["_meta"]["hostvars"]["ct101"]
+
+
+def test_ping_the_nodes_through_the_inventory(lab):
+    """Plain ssh to each node, the module run by the lab venv's python in the node's own PID namespace."""
+    proc = run_ansible(lab["api_inventory"], "proxmox_nodes", "-m", "ansible.builtin.ping")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.count("SUCCESS") == 2 and proc.stdout.count('"ping": "pong"') == 2, proc.stdout
+    proc = run_ansible(lab["api_inventory"], "pve2", "-m", "ansible.builtin.command", "-a", "readlink /proc/self/ns/pid")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.readlink("/proc/self/ns/pid") not in proc.stdout, proc.stdout  # the node's own PID namespace
+    # each container's node host is reachable from the container's vars
+    proc = run_ansible(lab["api_inventory"], "ct201", "-m", "ansible.builtin.debug",
+                       "-a", "msg=node_host={{ hostvars[proxmox_node_host].ansible_host }}")
+    assert proc.returncode == 0 and "node_host=%s" % lab["nodes"]["pve2"]["address"] in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_ticket_login_tag_filter_and_explicit_enable(lab, tmp_path):
     path = variant(lab, tmp_path, token_id=None, token_secret=None, password=secret(lab, "password"),
                    tags=["gpu"], keyed_groups=[{"key": "proxmox_tags", "prefix": "tag"}])
     listed = inventory(path, ANSIBLE_INVENTORY_ENABLED="gpuops.fleet.proxmox_gpu")
-    assert sorted(listed["_meta"]["hostvars"]) == ["ct101", "ct201", "ct202"]
+    assert cts(listed["_meta"]["hostvars"]) == ["ct101", "ct201", "ct202"]
     assert sorted(listed["tag_gpu"]["hosts"]) == ["ct101", "ct201", "ct202"]
 
 
@@ -272,6 +310,7 @@ def test_migrated_container_is_found_on_its_new_node(lab, tmp_path):
     listed = inventory(lab["api_inventory"])
     ct = listed["_meta"]["hostvars"]["ct101"]
     assert ct["proxmox_node"] == "pve2" and ct["ansible_host"] == lab["nodes"]["pve2"]["address"]
+    assert ct["proxmox_node_host"] == "pve2" and listed["_meta"]["hostvars"]["pve2"]["proxmox_node_vmids"] == [101, 201, 202]
     assert "ct101" in listed["proxmox_node_pve2"]["hosts"]
     assert "ct101" not in listed.get("proxmox_node_pve1", {}).get("hosts", [])
     proc = run_ansible(lab["api_inventory"], "ct101", "-m", "ansible.builtin.command", "-a", "hostname")
@@ -289,6 +328,7 @@ def test_migrated_container_is_found_on_its_new_node(lab, tmp_path):
     assert wait_task(lab, "pve2", upid)["exitstatus"] == "OK"
     ct = inventory(lab["api_inventory"])["_meta"]["hostvars"]["ct101"]
     assert ct["proxmox_node"] == "pve1" and ct["ansible_host"] == lab["nodes"]["pve1"]["address"]
+    assert ct["proxmox_node_host"] == "pve1"
     proc = run_ansible(lab["api_inventory"], "ct101", "-m", "ansible.builtin.ping")
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
@@ -339,7 +379,7 @@ def test_one_failing_config_leaves_only_that_container_out(lab):
              "message": "Configuration file 'nodes/pve2/lxc/202.conf' does not exist"}
     with api_file(lab, "faults.json", [fault]):
         proc = inventory(lab["api_inventory"], check=False)
-    assert sorted(listed_hosts(proc)) == ["ct101", "ct102", "ct201"]
+    assert cts(listed_hosts(proc)) == ["ct101", "ct102", "ct201"]
     assert "left out CT 202 (ct202) on pve2, its config could not be read" in one_line(proc.stderr), proc.stderr
     assert "202.conf' does not exist" in proc.stderr
 
@@ -349,7 +389,7 @@ def test_one_config_timing_out_leaves_only_that_container_out(lab, tmp_path):
         started = time.monotonic()
         proc = inventory(variant(lab, tmp_path, timeout=1), check=False)
         took = time.monotonic() - started
-    assert sorted(listed_hosts(proc)) == ["ct101", "ct201", "ct202"]
+    assert cts(listed_hosts(proc)) == ["ct101", "ct201", "ct202"]
     assert "left out CT 102 (ct102) on pve1" in one_line(proc.stderr), proc.stderr
     assert "did not answer GET nodes/pve1/lxc/102/config within 1 s (option timeout)" in one_line(proc.stderr)
     assert took < 30
@@ -412,15 +452,15 @@ def test_filters_stopped_containers_and_hostname_template(lab, tmp_path):
     try:
         path = variant(lab, tmp_path, statuses=["running", "stopped"], nodes=["pve2"], hostname="{{ node }}-{{ vmid }}")
         hv = inventory(path)["_meta"]["hostvars"]
-        assert sorted(hv) == ["pve2-201", "pve2-202"]
+        assert cts(hv) == ["pve2-201", "pve2-202"]
         assert hv["pve2-202"]["proxmox_status"] == "stopped" and hv["pve2-202"]["proxmox_gpu_minors"] == [0, 1, 2, 3]
         assert hv["pve2-201"]["proxmox_status"] == "running" and hv["pve2-201"]["pct_vmid"] == 201
-        assert sorted(inventory(variant(lab, tmp_path, names=["ct1*"]))["_meta"]["hostvars"]) == ["ct101", "ct102"]
+        assert cts(inventory(variant(lab, tmp_path, names=["ct1*"]))["_meta"]["hostvars"]) == ["ct101", "ct102"]
         with api_file(lab, "pools.json", {"ml": [101, 201, 202], "web": [102]}):
             hv = inventory(variant(lab, tmp_path, pools=["ml"], statuses=["stopped"]))["_meta"]["hostvars"]
-            assert sorted(hv) == ["ct202"] and hv["ct202"]["proxmox_pool"] == "ml"
+            assert cts(hv) == ["ct202"] and hv["ct202"]["proxmox_pool"] == "ml"
             hv = inventory(variant(lab, tmp_path, pools=["ml"], names=["ct?01"]))["_meta"]["hostvars"]
-            assert sorted(hv) == ["ct101", "ct201"]
+            assert cts(hv) == ["ct101", "ct201"]
     finally:
         code, upid = api_call(lab, "POST", "/nodes/pve2/lxc/202/status/start", {}, headers=headers)
         assert code == 200 and wait_task(lab, "pve2", upid)["exitstatus"] == "OK"
@@ -432,6 +472,8 @@ def test_token_without_vm_audit_warns(lab, tmp_path):
     assert listed_hosts(proc) == {}
     err = one_line(proc.stderr)
     assert "lists no guests at all to root@pam!noaudit" in err and "lacks VM.Audit" in err, err
+    # nor the nodes (/cluster/status needs Sys.Audit): a warning, not a failed inventory
+    assert "no node hosts (proxmox_nodes), the nodes could not be read" in err and "Sys.Audit" in err, err
 
 
 def config_reads(lab):
@@ -449,6 +491,7 @@ def test_cache_follows_a_migrated_container(lab, tmp_path):
     try:
         hv = inventory(path)["_meta"]["hostvars"]
         assert hv["ct101"]["proxmox_node"] == "pve2" and hv["ct101"]["ansible_host"] == lab["nodes"]["pve2"]["address"]
+        assert hv["ct101"]["proxmox_node_host"] == "pve2" and hv["pve1"]["proxmox_node_vmids"] == [102]
         assert hv["ct201"]["proxmox_gpu_minors"] == [2, 3]
         # Only the moved container's config was read again; the others came from the cache.
         assert config_reads(lab)[before:] == ["nodes/pve2/lxc/101/config?current=1"]
@@ -456,6 +499,24 @@ def test_cache_follows_a_migrated_container(lab, tmp_path):
         assert proc.returncode == 0 and "ct101" in proc.stdout, proc.stdout + proc.stderr
     finally:
         labctl("migrate", "--vmid", "101", "--to", "pve1")
+
+
+def test_an_offline_node_is_left_out_with_a_warning(lab):
+    """The lab API reports a node online while its sshd lives; the sshd is the node's first process, so killing it
+    takes the node down with its containers (as a crashed node). Runs last: the lab is not usable after."""
+    sshd = lab["nodes"]["pve2"]["sshd_pid"]
+    os.kill(sshd, 9)
+    for dummy in range(100):
+        if not alive(sshd):
+            break
+        time.sleep(0.05)
+    proc = inventory(lab["api_inventory"], check=False)
+    hv = listed_hosts(proc)
+    assert "left out of proxmox_nodes the node pve2, offline in /cluster/status" in one_line(proc.stderr), proc.stderr
+    assert cts(hv) == ["ct101", "ct102"] and plain(json.loads(proc.stdout))["proxmox_nodes"]["hosts"] == ["pve1"]
+    assert hv["pve1"]["proxmox_node_online"] is True
+    ping = run_ansible(lab["api_inventory"], "proxmox_nodes", "-m", "ansible.builtin.ping")
+    assert ping.returncode == 0 and ping.stdout.count("SUCCESS") == 1, ping.stdout + ping.stderr
 
 
 def test_down_stops_the_api(lab):

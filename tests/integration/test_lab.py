@@ -393,10 +393,10 @@ def test_node_ssh_and_pct(lab):
     res = ssh_node(lab, "FOO='a b' pct exec 101 -- printenv FOO PATH")
     assert res.stdout.splitlines() == ["a b", "/sbin:/bin:/usr/sbin:/usr/bin"]
     res = ssh_node(lab, "pct exec 109 -- true")
-    assert res.returncode == 255
+    assert res.returncode not in (0, 1)  # a Perl die: errno's value (ENOENT) or 255, never the command's
     assert "Configuration file 'nodes/pve1/lxc/109.conf' does not exist" in res.stderr
     res = ssh_node(lab, "pct stop 102 && pct status 102 && pct exec 102 -- true")
-    assert res.returncode == 255 and "status: stopped" in res.stdout
+    assert res.returncode not in (0, 1) and "status: stopped" in res.stdout
     assert "container '102' not running!" in res.stderr
     res = ssh_node(lab, "pct start 102 && pct exec 102 -- hostname && pct list")
     assert res.returncode == 0, res.stderr

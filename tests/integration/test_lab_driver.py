@@ -784,6 +784,16 @@ def test_reset_refused_while_held_then_clears_leak(lab, workloads):
 
     gpu = wait_until(leaked_gpu, timeout=2)
     assert gpu and gpu["holders"] == [] and gpu["nvml_pids"] == [] and gpu["leaked_mib"] == 5000
+    # An NVML client (a monitor: fds on every /dev/nvidiaN, no mapping, no context) blocks a reset too,
+    # as nvidia-persistenced, nv-hostengine or dcgm-exporter do on real hardware.
+    monitor = workloads("monitor", [], 0)
+    refused = lab.smi("--gpu-reset", "-i", "3")
+    assert refused.returncode == 255 and "is currently in use by another process." in refused.stdout
+    answer = lab.request({"op": "reset", "node": "pve1", "minor": 3})
+    assert answer["ok"] is False and answer["holders"] == [] and answer["nvml_pids"] == []
+    assert answer["users"] == [monitor.roles["monitor"]]
+    assert lab.gpus()[3]["leaked_mib"] == 5000
+    monitor.kill()
     done = lab.smi("--gpu-reset", "-i", "3")
     assert done.returncode == 0, done.stdout
     assert "GPU 00000000:5D:00.0 was successfully reset." in done.stdout

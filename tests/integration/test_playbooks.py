@@ -1,5 +1,6 @@
 """playbooks/gpu_status.yml, predeploy_check.yml and release_gpus.yml (throttle, serial,
 max_fail_percentage) against the lab, through gpuops.fleet.pct. Truth from `labctl gpus` and /proc."""
+import json
 import os
 import re
 import subprocess
@@ -154,3 +155,90 @@ def test_serial_batches_stop_at_max_fail_percentage(clean):
     assert result.failed_hosts() == ["ct102"], result
     assert sorted(result.recap) == ["ct101", "ct102", "ct103"], "the second batch must not start: %s" % result
     assert alive(later["holders"][0]) and lab.gpus()[("201", 0)] == 128
+
+
+# ---- gpu_status.yml's node view (hosts in proxmox_nodes) ------------------------------------------
+
+# A node-side gpu_status result as the module returns it on a Proxmox node (view "node"), trimmed to what
+# the table reads: GPU 1 shared by containers 101 and 202, a process of the node itself, memory no process
+# accounts for; GPU 0 free.
+RECORDED_NODE = {
+    "view": "node", "changed": False, "diagnosis": ["pid 1103 (python) holds GPU 1 (384 MiB by NVML)"],
+    "gpus": [
+        {"index": 0, "uuid": "GPU-366a3da0-58e2-5c86-ab59-07ebef1e490e", "memory": {"used_mib": 0},
+         "by_container": {}, "holders": [], "clients": [1106], "passed_into": [101]},
+        {"index": 1, "uuid": "GPU-859373da-0688-53f1-b5fb-d1b93f103fb2", "memory": {"used_mib": 1088},
+         "by_container": {"202": 512, "101": 384, "unattributed": 64, "host": 128}, "holders": [3001, 1103, 2001],
+         "clients": [], "passed_into": [101, 202]},
+    ],
+    "holders": [
+        {"pid": 1103, "container": "101", "container_pid": 26, "name": "python", "gpus": [1]},
+        {"pid": 2001, "container": "202", "container_pid": 7, "name": "sglang::tp0", "gpus": [1]},
+        {"pid": 3001, "container": "host", "container_pid": None, "name": "vllm-omni", "gpus": [1]},
+    ],
+    "clients": [{"pid": 1106, "container": "101", "container_pid": 29, "name": "nvitop"}],
+}
+
+
+def node_tables(output):
+    """{host: [table lines]} from the 'Print the node's table' task of the default stdout callback."""
+    task = output.split("TASK [Print the node's table]", 1)[1].split("TASK [", 1)[0]
+    return {host: json.loads(body)["msg"] for host, body in re.findall(r"^ok: \[([^\]]+)\] => (\{.*?^\})", task, re.M | re.S)}
+
+
+def test_gpu_status_node_table_from_a_recorded_result(tmp_path):
+    """No lab, no module: the node view renders recorded results (gpu_status_recorded) on local hosts."""
+    inv = tmp_path / "nodes.yml"
+    inv.write_text("all:\n  children:\n    gpu_containers:\n      hosts: {ct101: {ansible_connection: local}}\n"
+                   "    proxmox_nodes:\n      hosts:\n        pve1: {ansible_connection: local}\n"
+                   "        pve2: {ansible_connection: local}\n")
+    recorded = tmp_path / "recorded.json"
+    recorded.write_text(json.dumps({"gpu_status_recorded": {
+        "pve1": RECORDED_NODE, "pve2": {"failed": True, "msg": "NVML failed: Driver Not Loaded"}}}))
+    proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ansible-playbook"), "-i", str(inv),
+                           os.path.join(REPO, "playbooks", "gpu_status.yml"), "-e", "gpu_status_hosts=proxmox_nodes",
+                           "-e", "@%s" % recorded], cwd=REPO, env=dict(os.environ, ANSIBLE_NOCOLOR="1"),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=120,
+                          check=False)
+    out = proc.stdout
+    assert proc.returncode == 2, out  # pve2 could not be read: that node fails
+    # the container play leaves node hosts alone; ct101 is not in proxmox_nodes
+    assert re.search(r"PLAY \[Report GPU memory and holders across the fleet\] \**\nskipping: no hosts matched", out), out
+    assert "ct101" not in out.split("PLAY RECAP", 1)[1]
+    tables = node_tables(out)
+    assert tables["pve1"] == [
+        "pve1: 2 GPUs, 1088 MiB used",
+        "GPU  UUID          CONTAINER         MiB  HOLDERS (node pid/pid in container name)",
+        "0    GPU-366a3da0  -                   0  -",
+        "1    GPU-859373da  101               384  1103/26 python",
+        "                   202               512  2001/7 sglang::tp0",
+        "                   host              128  3001/- vllm-omni",
+        "                   unattributed       64  -",
+    ]
+    assert tables["pve2"] == ["pve2: ERROR NVML failed: Driver Not Loaded"]
+    assert "gpu_status failed on pve2: NVML failed: Driver Not Loaded" in out
+    assert re.search(r"^pve1 +: ok=\d+ +changed=0 +unreachable=0 +failed=0", out, re.M), out
+
+
+def test_gpu_status_node_view_in_the_lab(clean):
+    """The node view through the gpuops.fleet.proxmox_gpu inventory (node hosts over plain ssh)."""
+    lab = clean
+    ct101 = lab.run("plain", 101, [1], 384)      # pve1 minor 1
+    ct102 = lab.run("plain", 102, [0], 256)      # pve1 minor 2
+    api_inventory = lab.labctl("inventory", "--api", parse=False)
+    static, lab.inventory = lab.inventory, api_inventory
+    try:
+        result = lab.playbook("gpu_status.yml", extra_vars={"gpu_status_hosts": "proxmox_nodes"})
+    finally:
+        lab.inventory = static
+    assert result.rc == 0, result
+    assert sorted(result.recap) == ["pve1", "pve2"] and result.changed() == 0, result
+    table = node_tables(result.output)["pve1"]
+    assert table[0] == "pve1: 8 GPUs, 640 MiB used", table
+    rows = {line.split()[0]: line for line in table[2:] if line[:1] != " "}
+    assert re.match(r"1 +GPU-\S{8} +101 +384  %d/%d python" % (ct101["node_holders"][0], ct101["container_holders"][0]),
+                    rows["1"]), table
+    assert re.match(r"2 +GPU-\S{8} +102 +256  %d/%d python" % (ct102["node_holders"][0], ct102["container_holders"][0]),
+                    rows["2"]), table
+    assert re.match(r"0 +GPU-\S{8} +- +0  -$", rows["0"]), table
+    assert lab.gpus()[("101", 1)] == 384 and alive(ct101["holders"][0]) and alive(ct102["holders"][0])

@@ -207,6 +207,48 @@ def host_tid(host_pid, ns_tid):
     return None
 
 
+def device_users(devid, exclude=()):
+    """Host pids (not in exclude) that have the file devid = (major, minor, inode) open or mapped.
+
+    The fake device files are per node, so every process of the machine is looked at: on real
+    hardware any process with /dev/nvidiaN open (a monitor: nvidia-persistenced, nv-hostengine,
+    dcgm-exporter, an nvmlInit) blocks a reset, not only a CUDA context."""
+    major, minor, inode = devid
+    found = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in exclude:
+            continue
+        if _maps_file(name, major, minor, inode) or _has_open(name, major, minor, inode):
+            found.append(int(name))
+    return sorted(found)
+
+
+def _maps_file(pid, major, minor, inode):
+    for line in read_text("/proc/%s/maps" % pid).splitlines():
+        fields = line.split(None, 5)
+        if len(fields) >= 5 and fields[4] == str(inode):
+            dev = fields[3].split(":")
+            if len(dev) == 2 and (int(dev[0], 16), int(dev[1], 16)) == (major, minor):
+                return True
+    return False
+
+
+def _has_open(pid, major, minor, inode):
+    folder = "/proc/%s/fd" % pid
+    try:
+        fds = os.listdir(folder)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            st = os.stat(os.path.join(folder, fd))
+        except OSError:
+            continue
+        if st.st_ino == inode and os.major(st.st_dev) == major and os.minor(st.st_dev) == minor:
+            return True
+    return False
+
+
 def write_file(path, text):
     with open(path, "w") as f:
         f.write(text)
@@ -302,14 +344,34 @@ class Driver:
 
     # -- who is asking --
     def caller(self, pid, node_name=None):
-        """(node, vmid or None, [minors in view order]) for a caller's host pid."""
+        """(node, vmid or None, [minors in view order]) for a caller's host pid.
+
+        A caller in a container sees that container's GPUs; one on a lab node (its cgroup below
+        gpuops-lab-RID/NODE/, or its pid namespace under the node's) sees every GPU of that node,
+        whatever the request names; only a caller outside every node picks the node by name."""
         cgroup = parse_cgroup_v2(read_text("/proc/%d/cgroup" % pid))
         for node, spec in self.nodes().items():
             for vmid, ct in spec.get("containers", {}).items():
                 if in_cgroup(cgroup, ct.get("cgroup")):
                     return node, vmid, list(ct["minors"])
-        node = self.node_of(node_name)
+        node = self.node_of_caller(pid, cgroup) or self.node_of(node_name)
         return node, None, list(range(self.nodes()[node]["gpus"]))
+
+    def node_of_caller(self, pid, cgroup):
+        """The lab node a process outside any container runs on, or None (the host)."""
+        nodes = self.nodes()
+        rid = self.refresh_lab().get("rid")
+        prefix = "/gpuops-lab-%s/" % rid
+        if rid and cgroup and cgroup.startswith(prefix):
+            name = cgroup[len(prefix):].split("/", 1)[0]
+            if name in nodes:
+                return name
+        by_ns = {spec["pidns"]: name for name, spec in nodes.items() if spec.get("pidns")}
+        if by_ns:
+            for ns_inode, _pid in pidns_chain(pid):
+                if ns_inode in by_ns:
+                    return by_ns[ns_inode]
+        return None
 
     # -- truth --
     def free_delay(self):
@@ -554,10 +616,15 @@ class Driver:
         if minor not in minors:
             raise RequestError("minor %d is not visible to pid %d" % (minor, pid))
         held = self.live_state()
-        _used, _records, holders = self.gpu_truth(node, minor, held)
-        if holders:
-            logging.info("reset refused node=%s minor=%d holders=%s", node, minor, holders)
-            return {"ok": False, "error": "in use by another process", "holders": holders}
+        _used, records, holders = self.gpu_truth(node, minor, held)
+        listed = sorted({r["host_pid"] for r in records if r["host_pid"] is not None and "gone_at" not in r})
+        devid = self.device_id(node, minor)
+        users = device_users(devid, exclude=(pid, os.getpid())) if devid else []
+        if holders or users or listed:
+            logging.info("reset refused node=%s minor=%d holders=%s users=%s nvml_pids=%s", node, minor, holders,
+                         users, listed)
+            return {"ok": False, "error": "in use by another process", "holders": holders, "users": users,
+                    "nvml_pids": listed}
         self.leaked.pop((node, minor), None)
         self.records = [r for r in self.records if not (r["node"] == node and r["minor"] == minor)]
         self._save()

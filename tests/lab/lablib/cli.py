@@ -80,6 +80,15 @@ def parser():
     mg = sub.add_parser("migrate", help="move a container to another node (stop, move its config, start there)")
     mg.add_argument("--vmid", required=True)
     mg.add_argument("--to", required=True, metavar="NODE")
+    lo = sub.add_parser("lock", help="set (or --clear) the lock of a container's conf, as a backup or migration would")
+    lo.add_argument("--vmid", required=True)
+    what = lo.add_mutually_exclusive_group(required=True)
+    what.add_argument("--lock", metavar="NAME", help="backup, migrate, snapshot, rollback, mounted, ...")
+    what.add_argument("--clear", action="store_true")
+    ha = sub.add_parser("ha", help="manage a container by HA (/etc/pve/ha/resources.cfg), or --remove it")
+    ha.add_argument("--vmid", required=True)
+    ha.add_argument("--state", default="started", choices=("started", "stopped", "enabled", "disabled", "ignored"))
+    ha.add_argument("--remove", action="store_true")
     rs = sub.add_parser("restart", help="kill everything in a container and start its init again")
     rs.add_argument("--node", required=True)
     rs.add_argument("--vmid", required=True)
@@ -148,6 +157,10 @@ def main(argv):
                 lab, {"op": "leak", "node": args.node, "minor": args.gpu, "mib": args.mib})))
         elif args.command == "migrate":
             print(json.dumps(lab.migrate(args.vmid, args.to), sort_keys=True))
+        elif args.command == "lock":
+            print(json.dumps(lab.lock(args.vmid, None if args.clear else args.lock), sort_keys=True))
+        elif args.command == "ha":
+            print(json.dumps(lab.ha(args.vmid, args.state, args.remove), sort_keys=True))
         elif args.command == "restart":
             ct = lab.restart(args.node, args.vmid)
             print(json.dumps({"vmid": args.vmid, "node": args.node, "init_host_pid": ct["init_host_pid"]}))

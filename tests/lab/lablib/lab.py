@@ -123,8 +123,9 @@ class Lab:
         os.makedirs(STATE_ROOT, exist_ok=True)
         os.makedirs(self.state)
         os.chmod(self.state, 0o711)  # the node user reads ssh/authorized_keys; nothing is listable
-        for sub in ("ssh", "driver", "lib", "sbin", "nodes", "lxcfs"):
+        for sub in ("ssh", "driver", "lib", "sbin", "nodes", "lxcfs", "pve/ha"):
             os.makedirs(os.path.join(self.state, sub))
+        write_file(self.ha_path(), "")  # /etc/pve/ha/resources.cfg on every node (cluster-wide, as in PVE)
         ensure_venvs()
         self._build_library()
         self._write_sbin()
@@ -208,7 +209,7 @@ class Lab:
 
     def _build_node(self, node, k, nshape, cfg):
         ndir = self.node_dir(node)
-        for sub in ("dev/nvidia-caps", "lxc", "containers", "sbin", "etc/lxc", "lxcpath"):
+        for sub in ("dev/nvidia-caps", "lxc", "containers", "sbin", "bin", "etc/lxc", "lxcpath"):
             os.makedirs(os.path.join(ndir, sub))
         dev = os.path.join(ndir, "dev")
         names = ["nvidia%d" % m for m in range(nshape["gpus"])] + ["nvidiactl", "nvidia-uvm", "nvidia-uvm-tools",
@@ -247,6 +248,8 @@ class Lab:
         # pct decodes its arguments by the node's locale: Python must not coerce a C locale to UTF-8.
         write_file(os.path.join(ndir, "sbin", "pct"), "#!/bin/sh\nPYTHONCOERCECLOCALE=0 exec %s -sB %s --node-dir %s \"$@\"\n"
                    % (py, os.path.join(LAB_DIR, "node", "pct"), ndir), 0o755)
+        # The fake nvidia-smi on the node's /usr/bin (overlay), where Debian's NVIDIA packages put it.
+        shutil.copy2(os.path.join(self.state, "sbin", "nvidia-smi"), os.path.join(ndir, "bin", "nvidia-smi"))
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", node, "-f", os.path.join(ndir, "ssh_host_ed25519_key")])
         self._node_user(ndir)
         write_file(os.path.join(ndir, "sshd_config"), sshd_config(self.state, ndir, address))
@@ -254,7 +257,8 @@ class Lab:
         os.makedirs(cg)
         node_cgroups = [os.path.join(self.cg_root, node)] + [os.path.join(r, node) for r in self.v1_roots()]
         write_json(os.path.join(ndir, "nodeinit.json"), {"node_dir": ndir, "state": self.state, "cgroup_path": cg,
-                                                         "cgroups": node_cgroups})
+                                                         "cgroups": node_cgroups, "node": node, "gpus": nshape["gpus"],
+                                                         "nodes": sorted(cfg["shape"]["nodes"])})
         return ncfg
 
     def _bare_venv(self, vmid):
@@ -481,16 +485,18 @@ class Lab:
                                              % os.path.join(ssh, "known_hosts")}
         cts, nodes = {}, {}
         for node, ncfg in sorted(cfg["nodes"].items()):
+            # The lab venv (psutil, nvidia-ml-py) runs on the node too: node-side modules need it.
             nodes[node] = dict(common, ansible_host=ncfg["address"], ansible_connection="ssh",
-                               ansible_python_interpreter="/usr/bin/python3", lab_node_user=NODE_USER)
+                               ansible_python_interpreter=VENV + "/bin/python", lab_node_user=NODE_USER)
             for vmid, c in sorted(ncfg["containers"].items()):
                 cts["ct%s" % vmid] = dict(common, ansible_connection="gpuops.fleet.pct",
                                           ansible_host=ncfg["address"], pve_node_host=ncfg["address"],
-                                          pct_vmid=int(vmid), lab_node=node,
+                                          proxmox_node_host=node, pct_vmid=int(vmid), lab_node=node,
                                           ansible_python_interpreter=c["python"],
                                           # lab containers share the host's /root: keep temp files in their /tmp
                                           ansible_remote_tmp="/tmp/.ansible/tmp")
-        inv = {"all": {"children": {"gpu_containers": {"hosts": cts}, "pve_nodes": {"hosts": nodes}}}}
+        inv = {"all": {"children": {"gpu_containers": {"hosts": cts}, "pve_nodes": {"hosts": nodes},
+                                    "proxmox_nodes": {"hosts": {node: {} for node in nodes}}}}}
         write_file(self.inventory_path(), "# gpuops lab %s, written by labctl\n" % self.rid + to_yaml(inv))
         if cfg.get("api"):
             self.write_api_inventory(cfg)
@@ -510,9 +516,13 @@ class Lab:
                    "ansible_python_interpreter": python,
                    "pve_node_host": "ansible_host", "lab_node": "proxmox_node",
                    "ansible_remote_tmp": "'/tmp/.ansible/tmp'"}
+        # node hosts (group proxmox_nodes, plain ssh): same key and known_hosts, the lab venv's python
+        node_compose = {key: compose[key] for key in ("ansible_user", "ansible_ssh_private_key_file",
+                                                      "ansible_ssh_common_args")}
+        node_compose.update({"ansible_python_interpreter": "'%s'" % (VENV + "/bin/python"), "lab_node": "proxmox_node"})
         conf = {"plugin": "gpuops.fleet.proxmox_gpu", "url": "https://%s:%d" % (cfg["api"]["address"], pveapi.PORT),
                 "user": pveapi.USER, "token_id": pveapi.TOKEN_ID, "token_secret": pveapi.read_secret(self.state, "token"),
-                "ca_path": cfg["api"]["ca"], "compose": compose}
+                "ca_path": cfg["api"]["ca"], "compose": compose, "node_compose": node_compose}
         write_file(self.api_inventory_path(), "# gpuops lab %s, written by labctl (API %s)\n"
                    % (self.rid, cfg["api"]["url"]) + to_yaml(conf), 0o600)
 
@@ -638,6 +648,37 @@ class Lab:
         return {"vmid": vmid, "from": source, "to": target, "running": was_running,
                 "init_host_pid": ct.get("init_host_pid")}
 
+    # ----- locks and HA (what a node-side release must respect)
+    def ha_path(self):
+        return os.path.join(self.state, "pve", "ha", "resources.cfg")
+
+    def lock(self, vmid, name=None):
+        """Write `lock: NAME` into the container's conf (None: remove it), like PVE's set_lock/remove_lock."""
+        if name is not None and not re.match(r"^[a-z][a-z-]*$", name):
+            raise LabError("lock must be a word like backup, migrate, snapshot: %r" % name)
+        node, vmid = self.find_node(vmid), str(vmid)
+        path = container.conf_path(self.node_dir(node), vmid)
+        with open(path) as f:
+            text = f.read()
+        write_file(path + ".tmp", set_conf_key(text, "lock", name))
+        os.replace(path + ".tmp", path)  # the folder is what /etc/pve/lxc shows: rename keeps it live
+        return {"vmid": vmid, "node": node, "lock": name}
+
+    def ha_resources(self):
+        return pveapi.parse_ha(_read_text(self.ha_path()))
+
+    def ha(self, vmid, state="started", remove=False):
+        """Add (or replace) `ct: VMID` in /etc/pve/ha/resources.cfg, or remove it."""
+        self.find_node(vmid)
+        sid = "ct:%s" % vmid
+        resources = [r for r in self.ha_resources() if r["sid"] != sid]
+        if not remove:
+            resources.append({"sid": sid, "type": "ct", "state": state})
+        path = self.ha_path()
+        write_file(path + ".tmp", pveapi.format_ha(resources))
+        os.replace(path + ".tmp", path)
+        return {"sid": sid, "state": None if remove else state, "resources": [r["sid"] for r in resources]}
+
     # ----- restart
     def restart(self, node, vmid):
         self.container(node, vmid)
@@ -665,6 +706,27 @@ def proxmox_conf(vmid, minors, unprivileged=False, dev_dir="/dev"):
     raw += ["lxc.mount.entry: %s/%s %s none bind,optional,create=file" % (dev_dir, d[len("/dev/"):], d[1:])
             for d in devs]
     return "\n".join(sorted(lines) + raw) + "\n"
+
+
+def set_conf_key(text, key, value):
+    """The conf text with KEY set to value (None: removed) in its main section, keys kept sorted as PVE writes them."""
+    lines = text.splitlines()
+    end = next((i for i, ln in enumerate(lines) if ln.startswith("[")), len(lines))
+    main = [ln for ln in lines[:end] if not ln.startswith(key + ":")]
+    if value is not None:
+        at = next((i for i, ln in enumerate(main)
+                   if ln.startswith("lxc.") or (":" in ln and not ln.startswith("#") and ln.split(":")[0] > key)),
+                  len(main))
+        main.insert(at, "%s: %s" % (key, value))
+    return "\n".join(main + lines[end:]) + "\n"
+
+
+def _read_text(path):
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return ""
 
 
 def lxc_config(rid, state, node, ct, pve_conf_path):

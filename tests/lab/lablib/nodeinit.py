@@ -7,6 +7,13 @@ Inner stage (pid 1 of the node): the host's root file system bound (not recursiv
 accounts; tmpfs on /run (STATE bound back at its own path); the lab's LXCFS mount bound on
 /var/lib/lxcfs, where LXC's lxcfs mount hook (common.conf.d/00-lxcfs.conf) takes it from, as on
 Proxmox; /etc/lxc/lxc.conf naming the node's lxcpath, so `lxc-attach -n VMID` needs no -P.
+Proxmox's view of the node (issue 11), in the node's mount namespace only: a read-only overlay on /etc
+whose top layer (STATE/nodes/NODE/etc-layer) holds /etc/pve (`lxc` -> the node's lxc/ folder, live;
+`ha` -> STATE/pve/ha; `nodes/NAME/lxc`; `local`); the lab ld.so.cache on /etc/ld.so.cache;
+/run/nvidia-lab = STATE/driver; a read-only overlay on /dev whose top layer has empty mountpoints
+for the fake device files, each then bound from STATE/nodes/NODE/dev (same inodes as in the
+containers), with /dev's own submounts (pts, shm, mqueue, ...) bound back; the node's bin folder
+(the fake nvidia-smi) overlaid on /usr/bin.
 Then it runs sshd -D and reaps orphans (LXC monitors, container launchers) until SIGTERM.
 """
 
@@ -70,11 +77,87 @@ def _join(cgroup):
     return join
 
 
+DEV_NAMES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps/nvidia-cap1", "nvidia-caps/nvidia-cap2")
+HOST_DEV = "/run/gpuops-lab-hostdev"  # the host's /dev with its submounts, for a moment (node's /run)
+
+
+def fake_devices(gpus):
+    return ["nvidia%d" % m for m in range(gpus)] + list(DEV_NAMES)
+
+
+def _symlink(target, path):
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if os.path.islink(path):
+        os.unlink(path)
+    os.symlink(target, path)
+
+
+def make_etc_layer(cfg):
+    """STATE/nodes/NODE/etc-layer/pve: /etc/pve as Proxmox lays it out, by symlinks into STATE (live)."""
+    layer = os.path.join(cfg["node_dir"], "etc-layer")
+    pve = os.path.join(layer, "pve")
+    state = cfg["state"]
+    os.makedirs(pve, exist_ok=True)
+    for name in cfg.get("nodes") or [cfg["node"]]:
+        _symlink(os.path.join(state, "nodes", name, "lxc"), os.path.join(pve, "nodes", name, "lxc"))
+    _symlink("nodes/%s/lxc" % cfg["node"], os.path.join(pve, "lxc"))
+    _symlink("nodes/%s" % cfg["node"], os.path.join(pve, "local"))
+    _symlink(os.path.join(state, "pve", "ha"), os.path.join(pve, "ha"))
+    return layer
+
+
+def make_dev_layer(cfg):
+    """STATE/nodes/NODE/dev-layer: empty files where the fake device files get bound."""
+    layer = os.path.join(cfg["node_dir"], "dev-layer")
+    for name in fake_devices(cfg["gpus"]):
+        path = os.path.join(layer, name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        if not os.path.exists(path):
+            with open(path, "w"):
+                pass
+    return layer
+
+
+def _submounts(root):
+    """Mount points strictly below root, outermost first, from mountinfo."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for row in f:
+            point = row.split()[4]
+            if point.startswith(root + "/") and point not in found:
+                found.append(point)
+    return sorted(found, key=lambda p: p.count("/"))
+
+
+def setup_dev(cfg):
+    """/dev of the node: the host's (read-only overlay) plus the node's fake device files, bound."""
+    layer = make_dev_layer(cfg)
+    subs = _submounts("/dev")
+    os.mkdir(HOST_DEV)
+    sysutil.mount("/dev", HOST_DEV, None, sysutil.MS_BIND | sysutil.MS_REC)
+    sysutil.mount(OVERLAY_SOURCE, "/dev", "overlay", sysutil.MS_RDONLY | sysutil.MS_NOSUID,
+                  "lowerdir=%s:/dev" % layer)
+    for point in subs:  # pts, shm, mqueue, hugepages: bound back where they were
+        if os.path.isdir(point):
+            sysutil.mount(HOST_DEV + point[len("/dev"):], point, None, sysutil.MS_BIND | sysutil.MS_REC)
+    sysutil.umount(HOST_DEV)
+    os.rmdir(HOST_DEV)
+    dev_dir = os.path.join(cfg["node_dir"], "dev")
+    for name in fake_devices(cfg["gpus"]):
+        sysutil.bind(os.path.join(dev_dir, name), "/dev/" + name)
+
+
 def setup_mounts(cfg):
     node_dir, state = cfg["node_dir"], cfg["state"]
     sysutil.make_rprivate("/")
     sysutil.mount(OVERLAY_SOURCE, "/usr/sbin", "overlay", sysutil.MS_RDONLY,
                   "lowerdir=%s:/usr/sbin" % os.path.join(node_dir, "sbin"))
+    proxmox = "gpus" in cfg  # a nodeinit.json of an older labctl has no Proxmox view
+    if proxmox:
+        sysutil.mount(OVERLAY_SOURCE, "/usr/bin", "overlay", sysutil.MS_RDONLY,
+                      "lowerdir=%s:/usr/bin" % os.path.join(node_dir, "bin"))
+        sysutil.mount(OVERLAY_SOURCE, "/etc", "overlay", sysutil.MS_RDONLY, "lowerdir=%s:/etc" % make_etc_layer(cfg))
+        sysutil.bind(os.path.join(state, "lib", "ld.so.cache"), "/etc/ld.so.cache", readonly=True)
     # The node's own accounts: the host's plus the lab's non-root user (and its sudo rule).
     for name in ("passwd", "group", "shadow", "sudoers.d"):
         source = os.path.join(node_dir, "etc", name)
@@ -92,6 +175,10 @@ def setup_mounts(cfg):
     os.mkdir(ROOTFS)  # on the node's own /run: nothing under STATE, so STATE binds into containers cleanly
     sysutil.mount("/", ROOTFS, None, sysutil.MS_BIND)  # not recursive: the root file system only
     os.mkdir("/run/sshd", 0o755)
+    if proxmox:
+        os.mkdir("/run/nvidia-lab", 0o755)  # the driver socket at its default path
+        sysutil.bind(os.path.join(state, "driver"), "/run/nvidia-lab")
+        setup_dev(cfg)
 
 
 def inner(config_path):

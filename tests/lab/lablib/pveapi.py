@@ -155,6 +155,33 @@ def parse_sections(text):
     return keys, raw, pending
 
 
+def parse_ha(text):
+    """/etc/pve/ha/resources.cfg (section config: `ct: 101` then tab-indented `key value`) as a list of dicts."""
+    resources, current = [], None
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        if line[0] in " \t" and current is not None:
+            key, dummy, value = line.strip().partition(" ")
+            current[key] = value.strip()
+            continue
+        kind, sep, name = line.partition(":")
+        if sep:
+            current = {"sid": "%s:%s" % (kind.strip(), name.strip()), "type": kind.strip()}
+            resources.append(current)
+    return resources
+
+
+def format_ha(resources):
+    out = ""
+    for r in resources:
+        out += "%s: %s\n" % (r["type"], r["sid"].split(":", 1)[1])
+        out += "".join("\t%s %s\n" % (k, v) for k, v in r.items() if k not in ("sid", "type"))
+        out += "\n"
+    return out
+
+
+
 class LabView:
     def __init__(self, state):
         self.state = state
@@ -216,13 +243,30 @@ class LabView:
         data["digest"] = hashlib.sha1(text.encode()).hexdigest()
         return data
 
+    def ha_resources(self):
+        """/etc/pve/ha/resources.cfg (STATE/pve/ha/resources.cfg) as GET /cluster/ha/resources answers it."""
+        try:
+            with open(os.path.join(self.state, "pve", "ha", "resources.cfg")) as f:
+                text = f.read()
+        except FileNotFoundError:
+            text = ""
+        digest = hashlib.sha1(text.encode()).hexdigest()
+        return [dict(r, state=r.get("state", "started"), digest=digest) for r in parse_ha(text)]
+
+    def lock_of(self, node, vmid):
+        return parse_conf(self.conf_text(node, vmid))[0].get("lock")
+
     def current(self, node, vmid):
         ct = self.record(node, vmid)
         keys = parse_conf(self.conf_text(node, vmid))[0]
         running = container.is_running(ct)
+        ha = next((r for r in self.ha_resources() if r["sid"] == "ct:%s" % vmid), None)
         out = {"vmid": int(vmid), "name": keys.get("hostname", "ct%s" % vmid), "type": "lxc",
                "status": "running" if running else "stopped", "uptime": 0, "cpus": int(keys.get("cores", 1)),
-               "maxmem": int(keys.get("memory", 512)) * 1024 * 1024, "maxswap": 0, "maxdisk": 0, "ha": {"managed": 0}}
+               "maxmem": int(keys.get("memory", 512)) * 1024 * 1024, "maxswap": 0, "maxdisk": 0,
+               "ha": {"managed": 1, "state": ha["state"]} if ha else {"managed": 0}}
+        if keys.get("lock"):
+            out["lock"] = keys["lock"]
         if keys.get("tags"):
             out["tags"] = keys["tags"]
         if running:
@@ -269,6 +313,17 @@ class LabView:
         return out
 
 
+def stop_timeout(params):
+    """Seconds a stop task waits for lxc-stop: the call's `timeout`, else LAB_PCT_STOP_TIMEOUT, else 10 (as pct)."""
+    for value in (params.get("timeout"), os.environ.get("LAB_PCT_STOP_TIMEOUT")):
+        try:
+            if value not in (None, "") and float(value) > 0:
+                return float(value)
+        except ValueError:
+            raise PveError(400, "Parameter verification failed.")
+    return 10.0
+
+
 def uptime_of(pid):
     """Seconds since pid started, from /proc (0 when gone)."""
     try:
@@ -300,6 +355,11 @@ class Tasks:
             raise PveError(500, "CT %s already running" % vmid)
         if action in ("stop", "shutdown", "reboot") and not running:
             raise PveError(500, "CT %s not running" % vmid)
+        if action == "stop":
+            params = dict(params, stop_timeout=stop_timeout(params))
+        lock = self.view.lock_of(node, vmid)
+        if lock and action in ("start", "stop", "shutdown", "reboot") and params.get("skiplock") not in ("1", "true"):
+            raise PveError(500, "CT is locked (%s)" % lock)  # PVE::AbstractConfig::check_lock
         if action == "migrate":
             target = params.get("target")
             if not target:
@@ -325,13 +385,20 @@ class Tasks:
         try:
             if action == "migrate":
                 self._migrate(vmid, params["target"])
-            if action in ("stop", "shutdown", "reboot"):
-                container.stop(node_dir, vmid, graceful_timeout=10.0 if action != "stop" else 0.0)
+            if action == "stop":
+                # Like PVE::LXC::vm_stop: lxc-stop --kill under a timeout. A frozen (D state) task keeps the
+                # container up: the task fails instead of hanging (nothing is thawed behind Proxmox's back).
+                try:
+                    container.stop(node_dir, vmid, thaw_first=False, timeout=params["stop_timeout"])
+                except container.StopTimeout as exc:
+                    raise LabError("%s - container did not stop" % exc)
+            if action in ("shutdown", "reboot"):
+                container.stop(node_dir, vmid, graceful_timeout=10.0)
             if action in ("start", "reboot"):
                 container.start(node_dir, vmid)
             exitstatus = "OK"
         except (LabError, OSError) as exc:
-            exitstatus = str(exc)
+            exitstatus = " ".join(str(exc).split()) or exc.__class__.__name__
         with self.lock:
             self.tasks[upid].update(status="stopped", exitstatus=exitstatus, endtime=int(time.time()))
 
@@ -493,6 +560,15 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 return view.resources(params.get("type"))
             if path == "/cluster/status":
                 return view.cluster_status()
+            if path == "/cluster/ha/resources":
+                return view.ha_resources()
+            if len(parts) == 4 and parts[:3] == ["cluster", "ha", "resources"]:
+                sid = urllib.parse.unquote(parts[3])
+                sid = sid if ":" in sid else "ct:" + sid
+                found = [r for r in view.ha_resources() if r["sid"] == sid]
+                if not found:
+                    raise PveError(500, "no such resource '%s'" % sid)
+                return found[0]
             if path == "/nodes":
                 return [{"node": n, "status": "online" if view.node_online(c) else "offline", "type": "node"}
                         for n, c in view.nodes()]
@@ -507,7 +583,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                 return self.server.tasks.status(parts[1], urllib.parse.unquote(parts[3]))
         if method == "POST" and len(parts) == 6 and parts[0] == "nodes" and parts[2] == "lxc" \
                 and parts[4] == "status" and parts[5] in Tasks.TYPES and parts[5] != "migrate":
-            return self.server.tasks.run(parts[1], self._vmid(parts[3]), parts[5], user.split("!")[0])
+            return self.server.tasks.run(parts[1], self._vmid(parts[3]), parts[5], user.split("!")[0], params)
         if method == "POST" and len(parts) == 5 and parts[0] == "nodes" and parts[2] == "lxc" and parts[4] == "migrate":
             return self.server.tasks.run(parts[1], self._vmid(parts[3]), "migrate", user.split("!")[0], params)
         raise PveError(501, "Method '%s %s%s' not implemented" % (method, API_PREFIX, path))

@@ -1,7 +1,8 @@
 """`labctl run`: start a workload in a container and report its host pids.
 
 Most scenarios go straight to tests/lab/workloads/workload.py (`--cuda-visible-devices` becomes its
-CUDA_VISIBLE_DEVICES). Three are built here:
+CUDA_VISIBLE_DEVICES), `launcher_respawn` among them (a launcher that respawns its holder within a few
+ms of each death: roles `launcher`, `holder`). Three are built here:
 `respawn` (a supervisord program with autorestart), `stuck` (a plain holder frozen by
 a cgroup v1 freezer: D state, SIGKILL waits), `leaked` (memory held by no process).
 """

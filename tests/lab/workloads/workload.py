@@ -29,13 +29,15 @@ import time
 
 SCENARIOS = ("plain", "term_ignoring", "fork_inherit", "defunct_leader", "zombie", "mmap_only",
              "tp_server", "monitor", "bystander_gpu", "bystander_cpu", "stray_context", "tp_nccl",
-             "two_parents", "ipc_consumer")
+             "two_parents", "ipc_consumer", "launcher_respawn")
 CONTEXT_MAPS = 3  # map lines of /dev/nvidiaM on a context GPU (GPU_FACTS row 12)
 VISIBLE_MAPS = 2  # on a GPU that is only visible (row 9)
 BARE_CONTEXT_MIB = 518  # a stray or bare context (rows 13, 15, 17)
 DEFAULT_SOCKET = "/run/nvidia-lab/driver.sock"
 SYS_EXIT = {"x86_64": 60, "aarch64": 93}
 PR_SET_NAME = 15
+PR_SET_PDEATHSIG = 1
+RESPAWN_BACKOFF_S = 0.5  # a worker that failed on its own (not killed) is replaced after this, never in a busy loop
 PROT_READ, PROT_WRITE, MAP_SHARED = 1, 2, 1
 MADV_DONTFORK = 10
 PAGE = 4096
@@ -424,6 +426,50 @@ def run_monitor(args, reporter):
         time.sleep(0.5)
 
 
+def run_launcher_respawn(args, reporter):
+    """A launcher (comm gpu_launcher: no GPU, no device file) that keeps one holder (comm gpu_worker, a context
+    on --minors like plain) alive forever: a dead worker is replaced as soon as waitpid returns (a fork, a few
+    ms), faster than a SIGKILL loop can win. The launcher ignores SIGTERM; each worker dies with it
+    (PR_SET_PDEATHSIG), so stopping the container or killing the launcher frees the GPU."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    set_name("gpu_launcher")
+    launcher = os.getpid()
+    read_fd, write_fd = os.pipe()  # only the first worker says it is ready
+    while True:
+        started = time.monotonic()
+        child = os.fork()
+        if child == 0:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            if read_fd is not None:
+                os.close(read_fd)
+
+            def worker(ready_fd=write_fd):
+                libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+                if os.getppid() != launcher:
+                    os._exit(1)
+                set_name("gpu_worker")
+                keep = make_contexts(args)
+                if ready_fd is not None:
+                    os.write(ready_fd, b"ready\n")
+                    os.close(ready_fd)
+                sleep_forever()
+                return keep
+
+            child_body(write_fd if write_fd is not None else os.open(os.devnull, os.O_WRONLY), worker)
+        if read_fd is not None:
+            os.close(write_fd)
+            wait_ready(read_fd, 1)
+            os.close(read_fd)
+            read_fd = write_fd = None
+            reporter.report(args.scenario, {"launcher": launcher, "holder": child}, [child])
+        while True:
+            pid, status = os.waitpid(-1, 0)
+            if pid == child:
+                break
+        if not os.WIFSIGNALED(status) and time.monotonic() - started < RESPAWN_BACKOFF_S:
+            time.sleep(RESPAWN_BACKOFF_S)
+
+
 def run_bystander_cpu(args, reporter):
     start_sleepers(args.threads)
     reporter.report(args.scenario, {"bystander": os.getpid()}, [])
@@ -630,7 +676,8 @@ def run_scenario(args, reporter):
         {"fork_inherit": run_fork_inherit, "defunct_leader": run_defunct_leader, "zombie": run_zombie,
          "mmap_only": run_mmap_only, "tp_server": run_tp_server, "monitor": run_monitor,
          "bystander_cpu": run_bystander_cpu, "stray_context": run_stray_context, "tp_nccl": run_tp_nccl,
-         "two_parents": run_two_parents, "ipc_consumer": run_ipc_consumer}[name](args, reporter)
+         "two_parents": run_two_parents, "ipc_consumer": run_ipc_consumer,
+         "launcher_respawn": run_launcher_respawn}[name](args, reporter)
 
 
 # ---- launching ----

@@ -39,18 +39,56 @@ def tool(name, node_dir, *args, env=None):
                           timeout=30, check=False)
 
 
-def test_vmid_on_another_node(node_dir):
-    res = tool("pct", node_dir, "exec", "305", "--", "true")
-    assert res.returncode == 255
-    assert res.stderr.strip() == "Configuration file 'nodes/pve1/lxc/305.conf' does not exist"
+PCT_PM = "/usr/share/perl5/PVE/CLI/pct.pm"
 
 
-@pytest.mark.parametrize("command", [["exec", "101", "--", "true"], ["enter", "101"],
-                                     ["push", "101", "/etc/hostname", "/tmp/x"], ["pull", "101", "/a", "/tmp/b"]])
-def test_stopped_container(node_dir, command):
+@pytest.mark.parametrize("command", [["exec", "305", "--", "true"], ["enter", "305"], ["status", "305"],
+                                     ["config", "305"]])
+def test_vmid_on_another_node(node_dir, command):
+    """load_config dies with errno ENOENT (pmxcfs's answer): Perl's die exits 2."""
     res = tool("pct", node_dir, *command)
+    assert (res.returncode, res.stderr.strip()) == (2, "Configuration file 'nodes/pve1/lxc/305.conf' does not exist")
+
+
+@pytest.mark.parametrize("command, message", [
+    (["exec", "101", "--", "true"], "container '101' not running!"),
+    (["enter", "101"], "container '101' not running!"),
+    (["push", "101", "/etc/hostname", "/tmp/x"], "can only push files to a running CT"),
+    (["pull", "101", "/a", "/tmp/b"], "can only pull files from a running VM at %s line 664." % PCT_PM),
+    (["push", "305", "/etc/hostname", "/tmp/x"], "can only push files to a running CT"),  # check_running first
+    (["stop", "101"], "CT 101 not running"),
+    (["stop", "305"], "CT 305 not running"),
+    (["shutdown", "101"], "CT 101 not running"),
+    (["reboot", "101"], "VM 101 not running"),
+])
+def test_stopped_container(node_dir, command, message):
+    """check_running's open of /proc/net/unix leaves errno ENOTTY: Perl's die exits 25."""
+    res = tool("pct", node_dir, *command)
+    assert (res.returncode, res.stderr.strip()) == (25, message)
+
+
+def test_start_of_a_vmid_not_here_fails_in_its_task(node_dir):
+    """vm_start loads the config inside its task: the task's error, and upid_exit's exit(-1)."""
+    res = tool("pct", node_dir, "start", "305")
+    assert (res.returncode, res.stderr.strip()) == (255, "Configuration file 'nodes/pve1/lxc/305.conf' does not exist")
+
+
+@pytest.mark.parametrize("command", [["start", "101"], ["start", "101", "--skiplock", "0"]])
+def test_locked_container_does_not_start(node_dir, command):
+    with open(os.path.join(node_dir, "lxc", "101.conf"), "a") as f:
+        f.write("lock: backup\n[snap1]\nlock: snapshot\n")
+    res = tool("pct", node_dir, *command)
+    assert (res.returncode, res.stderr.strip()) == (255, "CT is locked (backup)")
+    listing = tool("pct", node_dir, "list").stdout.splitlines()
+    assert listing[1].split() == ["101", "stopped", "backup", "ct101"]
+
+
+def test_options_pct_does_not_have(node_dir):
+    res = tool("pct", node_dir, "shutdown", "101", "--skiplock")
     assert res.returncode == 255
-    assert res.stderr.strip() == "container '101' not running!"
+    assert res.stderr.splitlines()[:2] == ["400 Parameter verification failed.",
+                                           "skiplock: property is not defined in schema and the schema does not "
+                                           "allow additional properties"]
 
 
 def test_status_list_config(node_dir):
@@ -61,15 +99,16 @@ def test_status_list_config(node_dir):
     assert tool("pct", node_dir, "config", "101").stdout == "dev0: /dev/nvidia0\nhostname: ct101\n"
 
 
-def test_stop_a_stopped_container(node_dir):
-    res = tool("pct", node_dir, "stop", "101")
-    assert res.returncode == 255 and res.stderr.strip() == "CT 101 not running"
-
-
-def test_unknown_command_and_bad_vmid(node_dir):
+@pytest.mark.parametrize("vmid, error", [("abc", "type check ('integer') failed - got 'abc'"),
+                                         ("99", "value must have a minimum value of 100"),
+                                         ("1000000000", "value must have a maximum value of 999999999")])
+def test_unknown_command_and_bad_vmid(node_dir, vmid, error):
+    """pve-vmid (pve-common JSONSchema): a parameter exception, printed with the command's usage."""
     assert tool("pct", node_dir, "frobnicate", "101").returncode == 255
-    res = tool("pct", node_dir, "status", "abc")
-    assert res.returncode == 255 and "type check ('integer') failed" in res.stderr
+    res = tool("pct", node_dir, "exec", vmid, "--", "true")
+    assert res.returncode == 255
+    assert res.stderr.splitlines() == ["400 Parameter verification failed.", "vmid: " + error,
+                                       "pct exec <vmid> [<extra-args>] [OPTIONS]"]
 
 
 def test_pct_pays_its_start_up_delay(node_dir):

@@ -97,6 +97,11 @@ def members(inventory, group):
     return sorted(h.name for h in inventory.groups[group].get_hosts())
 
 
+def containers(inventory):
+    """The container hosts (node hosts left out)."""
+    return sorted(name for name, host in inventory.hosts.items() if "pct_vmid" in host.vars)
+
+
 def test_gpu_devices_from_dev_keys_and_mount_entries():
     config = {"dev0": "/dev/nvidia10,mode=0666", "dev1": "path=/dev/nvidia2,uid=0", "dev2": "/dev/nvidiactl",
               "dev3": "/dev/nvidia-caps/nvidia-cap1", "devices": "/dev/nvidia7",
@@ -173,7 +178,7 @@ def test_verify_file_wants_its_suffix(tmp_path, name, accepted):
 def test_running_lxc_containers_with_node_address_and_gpus(tmp_path, monkeypatch):
     inventory = run_plugin(tmp_path, monkeypatch, recorded())
     # 205 stopped, 900 a template, 300 a VM: left out. 206 reuses the name sglang-a: ct206.
-    assert sorted(inventory.hosts) == ["ct206", "sglang-a", "web"]
+    assert containers(inventory) == ["ct206", "sglang-a", "web"]
     a = hostvars(inventory, "sglang-a")
     assert a["ansible_connection"] == "gpuops.fleet.pct" and a["ansible_host"] == "10.0.0.11"
     assert a["pct_vmid"] == 101 and a["proxmox_node"] == "pve1" and a["proxmox_tags"] == ["gpu", "sglang"]
@@ -218,7 +223,7 @@ def test_tag_filter_and_constructed_options(tmp_path, monkeypatch):
             "groups:\n  multi_gpu: proxmox_gpu_minors | length > 1\n"
             "keyed_groups:\n  - key: proxmox_tags\n    prefix: tag\n")
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), conf)
-    assert sorted(inventory.hosts) == ["sglang-a"]
+    assert containers(inventory) == ["sglang-a"]
     assert hostvars(inventory, "sglang-a")["gpu_count"] == 2
     assert members(inventory, "multi_gpu") == ["sglang-a"]
     assert members(inventory, "tag_gpu") == members(inventory, "tag_sglang") == ["sglang-a"]
@@ -248,7 +253,7 @@ def test_cache_spares_config_reads_only(tmp_path, monkeypatch):
     inventory = run_plugin(tmp_path, monkeypatch, second, conf, cache=True)
     # The guest list and the node addresses are read again; the configs are not.
     assert [p for p, dummy in second.calls] == ["cluster/resources", "cluster/status"]
-    assert sorted(inventory.hosts) == ["ct206", "sglang-a", "web"]
+    assert containers(inventory) == ["ct206", "sglang-a", "web"]
     assert hostvars(inventory, "sglang-a")["proxmox_gpu_minors"] == [4, 5]
 
 
@@ -314,7 +319,7 @@ def test_one_unreadable_config_is_left_out_with_a_warning(tmp_path, monkeypatch)
     warnings = []
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"nodes/pve1/lxc/101/config": missing,
                                                               "nodes/pve2/lxc/206/config": slow}), warnings=warnings)
-    assert sorted(inventory.hosts) == ["web"]
+    assert containers(inventory) == ["web"]
     assert len(warnings) == 2, warnings
     assert "left out CT 101 (sglang-a) on pve1" in warnings[0] and "101.conf' does not exist" in warnings[0]
     assert "left out CT 206 (sglang-a) on pve2" in warnings[1]
@@ -349,31 +354,36 @@ def test_no_guest_listed_warns_about_vm_audit(tmp_path, monkeypatch):
     nodes_only = [{"id": "node/pve1", "type": "node", "node": "pve1", "status": "online"}]
     api = recorded(**{"cluster/resources": nodes_only})
     inventory = run_plugin(tmp_path, monkeypatch, api, warnings=warnings)
-    assert not inventory.hosts and len(warnings) == 1
+    assert not containers(inventory) and len(warnings) == 1
     assert "lists no guests at all to root@pam!ci" in warnings[0] and "VM.Audit" in warnings[0]
-    assert [p for p, dummy in api.calls] == ["cluster/resources"]
+    # The nodes are still hosts: /cluster/status needs Sys.Audit, not VM.Audit.
+    assert [p for p, dummy in api.calls] == ["cluster/resources", "cluster/status"]
+    assert members(inventory, "proxmox_nodes") == ["pve1", "pve2"]
+    api = recorded(**{"cluster/resources": nodes_only})
+    inventory = run_plugin(tmp_path, monkeypatch, api, "node_hosts: false\n")
+    assert not inventory.hosts and [p for p, dummy in api.calls] == ["cluster/resources"]
 
 
 def test_nothing_selected_warns_with_counts(tmp_path, monkeypatch):
     warnings = []
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "nodes: [pve9]\n", warnings=warnings)
-    assert not inventory.hosts and len(warnings) == 1
+    assert not containers(inventory) and len(warnings) == 1
     assert "no container selected" in warnings[0] and "6 guests listed, 4 LXC containers (3 running)" in warnings[0]
 
 
 def test_filters_by_status_node_pool_and_name(tmp_path, monkeypatch):
     configs = {"nodes/pve2/lxc/205/config": {"hostname": "vllm-b", "dev0": "/dev/nvidia1"}}
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**configs), "statuses: [running, stopped]\n")
-    assert sorted(inventory.hosts) == ["ct206", "sglang-a", "vllm-b", "web"]
+    assert containers(inventory) == ["ct206", "sglang-a", "vllm-b", "web"]
     assert hostvars(inventory, "vllm-b")["proxmox_status"] == "stopped"
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**configs), "statuses: [stopped]\n")
-    assert sorted(inventory.hosts) == ["vllm-b"]
+    assert containers(inventory) == ["vllm-b"]
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "nodes: [pve2]\n")
-    assert sorted(inventory.hosts) == ["sglang-a"] and hostvars(inventory, "sglang-a")["pct_vmid"] == 206
+    assert containers(inventory) == ["sglang-a"] and hostvars(inventory, "sglang-a")["pct_vmid"] == 206
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "pools: [ml]\n")
-    assert sorted(inventory.hosts) == ["ct206", "sglang-a"] and hostvars(inventory, "ct206")["proxmox_pool"] == "ml"
+    assert containers(inventory) == ["ct206", "sglang-a"] and hostvars(inventory, "ct206")["proxmox_pool"] == "ml"
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "names: ['w*', 'nothing']\n")
-    assert sorted(inventory.hosts) == ["web"]
+    assert containers(inventory) == ["web"]
     api = recorded()
     run_plugin(tmp_path, monkeypatch, api, "names: ['w*']\n")
     assert config_calls(api) == ["nodes/pve1/lxc/102/config"]  # filters apply before any config read
@@ -381,11 +391,11 @@ def test_filters_by_status_node_pool_and_name(tmp_path, monkeypatch):
 
 def test_hostname_template(tmp_path, monkeypatch):
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "hostname: '{{ node }}-{{ vmid }}'\n")
-    assert sorted(inventory.hosts) == ["pve1-101", "pve1-102", "pve2-206"]
+    assert containers(inventory) == ["pve1-101", "pve1-102", "pve2-206"]
     assert hostvars(inventory, "pve2-206")["proxmox_name"] == "sglang-a"
     warnings = []
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "hostname: '{{ name }}'\n", warnings=warnings)
-    assert sorted(inventory.hosts) == ["ct206", "sglang-a", "web"]
+    assert containers(inventory) == ["ct206", "sglang-a", "web"]
     assert len(warnings) == 1 and "gave CT 206 the name 'sglang-a', already taken; named it ct206" in warnings[0]
 
 
@@ -393,7 +403,7 @@ def test_hostname_template_does_not_run_api_values(tmp_path, monkeypatch):
     evil = [dict(RESOURCES[0], name="{{ lookup('pipe', 'id') }}")]
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": evil}),
                            "hostname: 'x-{{ name }}'\n")
-    assert sorted(inventory.hosts) == ["x-{{ lookup('pipe', 'id') }}"]
+    assert containers(inventory) == ["x-{{ lookup('pipe', 'id') }}"]
 
 
 def test_credentials_are_required(tmp_path):
@@ -412,3 +422,160 @@ def test_missing_proxmoxer_is_named(tmp_path, monkeypatch):
     plugin = inventory_loader.get("gpuops.fleet.proxmox_gpu")
     with pytest.raises(AnsibleError, match="needs the proxmoxer and requests"):
         plugin.parse(InventoryData(), DataLoader(), str(path), cache=False)
+
+
+# -- node hosts (proxmox_nodes) --------------------------------------------------------------------
+
+
+def test_nodes_are_ssh_hosts_and_containers_name_their_node_host(tmp_path, monkeypatch):
+    inventory = run_plugin(tmp_path, monkeypatch, recorded())
+    assert members(inventory, "proxmox_nodes") == ["pve1", "pve2"]
+    pve1 = hostvars(inventory, "pve1")
+    assert pve1 == dict(pve1, ansible_connection="ssh", ansible_host="10.0.0.11", proxmox_node="pve1",
+                        proxmox_node_online=True, proxmox_node_vmids=[101, 102])
+    assert "pct_vmid" not in pve1 and "proxmox_node_host" not in pve1
+    assert hostvars(inventory, "pve2")["proxmox_node_vmids"] == [206]  # 205 is stopped, not listed
+    assert hostvars(inventory, "sglang-a")["proxmox_node_host"] == "pve1"
+    assert hostvars(inventory, "ct206")["proxmox_node_host"] == "pve2"
+    # Node hosts are in none of the container groups: those are reached through pct exec.
+    assert members(inventory, "proxmox_node_pve1") == ["sglang-a", "web"]
+    assert members(inventory, "gpu_containers") == ["ct206", "sglang-a"]
+    assert not _trusted(pve1["ansible_host"]) and not _trusted(pve1["proxmox_node"])
+
+
+def test_node_hosts_can_be_turned_off(tmp_path, monkeypatch):
+    api = recorded()
+    inventory = run_plugin(tmp_path, monkeypatch, api, "node_hosts: false\n")
+    assert sorted(inventory.hosts) == ["ct206", "sglang-a", "web"] and "proxmox_nodes" not in inventory.groups
+    assert "proxmox_node_host" not in hostvars(inventory, "web")
+    assert hostvars(inventory, "web")["ansible_host"] == "10.0.0.11"
+
+
+def test_node_host_without_ip_or_status_entry_is_reached_by_name(tmp_path, monkeypatch):
+    status = [{"type": "node", "name": "pve1", "online": 1}]  # pve2 missing from /cluster/status
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": status}))
+    assert members(inventory, "proxmox_nodes") == ["pve1", "pve2"]
+    assert hostvars(inventory, "pve1")["ansible_host"] == "pve1"
+    assert hostvars(inventory, "pve2")["ansible_host"] == "pve2"
+    assert hostvars(inventory, "ct206")["proxmox_node_host"] == "pve2"
+
+
+def test_nodes_without_listed_containers_are_hosts_too_and_the_nodes_option_applies(tmp_path, monkeypatch):
+    status = STATUS + [{"type": "node", "name": "pve3", "ip": "10.0.0.13", "online": 1}]
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": status}), "tags: [sglang]\n")
+    assert containers(inventory) == ["sglang-a"]
+    assert members(inventory, "proxmox_nodes") == ["pve1", "pve2", "pve3"]
+    assert hostvars(inventory, "pve3")["proxmox_node_vmids"] == []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": status}), "nodes: [pve2, pve3]\n")
+    assert members(inventory, "proxmox_nodes") == ["pve2", "pve3"] and containers(inventory) == ["sglang-a"]
+    assert hostvars(inventory, "sglang-a")["proxmox_node_host"] == "pve2"
+
+
+def test_offline_nodes_are_left_out_with_a_warning(tmp_path, monkeypatch):
+    status = STATUS + [{"type": "node", "name": "pve3", "ip": "10.0.0.13", "online": 0},
+                       {"type": "node", "name": "pve4", "ip": "10.0.0.14", "online": 0}]
+    warnings = []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": status}), warnings=warnings)
+    assert members(inventory, "proxmox_nodes") == ["pve1", "pve2"]
+    assert warnings == ["proxmox_gpu: left out of proxmox_nodes the nodes pve3, pve4, offline in /cluster/status "
+                        "at https://pve1.example.org:8006"]
+    # A node that a listed container still names is kept, marked offline, so proxmox_node_host names a host.
+    status = [STATUS[0], STATUS[1], dict(STATUS[2], online=0)]
+    warnings = []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": status}), warnings=warnings)
+    assert members(inventory, "proxmox_nodes") == ["pve1", "pve2"] and not warnings
+    assert hostvars(inventory, "pve2")["proxmox_node_online"] is False
+    assert hostvars(inventory, "ct206")["proxmox_node_host"] == "pve2"
+
+
+def test_node_hostname_template_and_node_compose(tmp_path, monkeypatch):
+    conf = ("node_hostname: 'pve-{{ name }}-{{ nodeid }}'\n"
+            "node_compose:\n  ansible_user: \"'root'\"\n  node_ct_count: proxmox_node_vmids | length\n"
+            "  reach: ansible_host ~ ':22'\n"
+            "compose:\n  gpu_count: proxmox_gpu_minors | length\n"
+            "groups:\n  multi_gpu: proxmox_gpu_minors | length > 1\nstrict: true\n")
+    status = [STATUS[0], dict(STATUS[1], nodeid=1), dict(STATUS[2], nodeid=2)]
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": status}), conf)
+    assert members(inventory, "proxmox_nodes") == ["pve-pve1-1", "pve-pve2-2"]
+    node = hostvars(inventory, "pve-pve1-1")
+    assert (node["ansible_user"], node["node_ct_count"], node["reach"]) == ("root", 2, "10.0.0.11:22")
+    assert node["proxmox_node"] == "pve1" and "gpu_count" not in node  # compose and groups are for containers
+    assert members(inventory, "multi_gpu") == ["sglang-a"]
+    assert hostvars(inventory, "sglang-a")["proxmox_node_host"] == "pve-pve1-1"
+    assert "ansible_user" not in hostvars(inventory, "sglang-a")  # node_compose is for nodes
+    # compose sees proxmox_node_host
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "compose:\n  via: \"'ssh://' ~ proxmox_node_host\"\n")
+    assert hostvars(inventory, "web")["via"] == "ssh://pve1"
+
+
+def test_node_compose_strict(tmp_path, monkeypatch):
+    conf = "strict: true\nnode_compose:\n  broken: no_such_variable.attr\n"
+    with pytest.raises(AnsibleError):
+        run_plugin(tmp_path, monkeypatch, recorded(), conf)
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "node_compose:\n  broken: no_such_variable.attr\n")
+    assert "broken" not in hostvars(inventory, "pve1")
+
+
+def test_node_host_name_taken_or_empty_falls_back(tmp_path, monkeypatch):
+    # A container named like a node keeps its name; the node host becomes node_pve1.
+    resources = [dict(RESOURCES[0], name="pve1")] + RESOURCES[1:]
+    warnings = []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": resources}), warnings=warnings)
+    assert members(inventory, "proxmox_nodes") == ["node_pve1", "pve2"]
+    assert hostvars(inventory, "pve1")["pct_vmid"] == 101 and hostvars(inventory, "pve1")["proxmox_node_host"] == "node_pve1"
+    assert warnings == ["proxmox_gpu: the host name 'pve1' of node pve1 is already taken; named it node_pve1"]
+    warnings = []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "node_hostname: 'pve'\n", warnings=warnings)
+    assert members(inventory, "proxmox_nodes") == ["node_pve2", "pve"]
+    assert hostvars(inventory, "ct206")["proxmox_node_host"] == "node_pve2"
+    assert len(warnings) == 1 and "'pve' of node pve2 is already taken; named it node_pve2" in warnings[0]
+    warnings = []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "node_hostname: '{{ missing_field }}'\n", warnings=warnings)
+    assert members(inventory, "proxmox_nodes") == ["node_pve1", "node_pve2"]
+    assert len(warnings) == 2 and "node_hostname template failed for node pve1, named it node_pve1" in warnings[0]
+    with pytest.raises(AnsibleParserError, match="node_hostname template failed for node pve1"):
+        run_plugin(tmp_path, monkeypatch, recorded(), "node_hostname: '{{ missing_field }}'\nstrict: true\n")
+
+
+def test_node_hostname_template_does_not_run_api_values(tmp_path, monkeypatch):
+    evil = "{{ lookup('pipe', 'id') }}"
+    resources = [dict(RESOURCES[0], node=evil)]
+    status = [{"type": "node", "name": evil, "ip": "10.0.0.11", "online": 1}]
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": resources, "cluster/status": status,
+                                                              "nodes/%s/lxc/101/config" % evil: CONFIGS["nodes/pve1/lxc/101/config"]}),
+                           "node_hostname: 'n-{{ name }}'\n")
+    assert members(inventory, "proxmox_nodes") == ["n-" + evil]
+    assert hostvars(inventory, "sglang-a")["proxmox_node_host"] == "n-" + evil
+
+
+def test_cache_moves_proxmox_node_host_with_a_migrated_container(tmp_path, monkeypatch):
+    conf = CACHE_CONF % (tmp_path / "cache")
+    run_plugin(tmp_path, monkeypatch, recorded(), conf, cache=False)
+    moved = [dict(RESOURCES[0], node="pve2", uptime=4)] + RESOURCES[1:]
+    api = recorded(**{"cluster/resources": moved,
+                      "nodes/pve2/lxc/101/config": CONFIGS["nodes/pve1/lxc/101/config"]})
+    inventory = run_plugin(tmp_path, monkeypatch, api, conf, cache=True)
+    a = hostvars(inventory, "sglang-a")
+    assert a["proxmox_node"] == "pve2" and a["proxmox_node_host"] == "pve2" and a["ansible_host"] == "10.0.0.12"
+    assert hostvars(inventory, "pve1")["proxmox_node_vmids"] == [102]
+    assert hostvars(inventory, "pve2")["proxmox_node_vmids"] == [101, 206]
+
+
+@pytest.mark.parametrize("item, online", [({"online": 1}, True), ({"online": 0}, False), ({}, True),
+                                          ({"online": "0"}, False), ({"online": True}, True)])
+def test_node_online(item, online):
+    assert proxmox_gpu.node_online(item) is online
+
+
+def test_unreadable_nodes_without_containers_leave_only_the_node_hosts_out(tmp_path, monkeypatch):
+    """A token without any privilege: no guest listed, /cluster/status refused (Sys.Audit)."""
+    denied = proxmox_gpu.ResourceException(403, "Forbidden", "Permission check failed (/, Sys.Audit)")
+    warnings = []
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": [], "cluster/status": denied}),
+                           warnings=warnings)
+    assert not inventory.hosts and len(warnings) == 2
+    assert "lists no guests at all" in warnings[0]
+    assert "no node hosts (proxmox_nodes), the nodes could not be read: proxmox_gpu: GET cluster/status failed: 403" in warnings[1]
+    # With containers listed, the node addresses are needed: the inventory fails, as before.
+    with pytest.raises(AnsibleParserError, match="GET cluster/status failed: 403"):
+        run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": denied}))

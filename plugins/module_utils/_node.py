@@ -1,0 +1,309 @@
+# Copyright (c) 2026 gpuops
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The Proxmox node's view: containers of processes, container configs, scope, container locks (private helper).
+
+On a Proxmox VE node every container process is a node process. Its container is the
+first `lxc/VMID/ns` in its cgroup path (pve-container sets lxc.cgroup.dir.container =
+lxc/VMID and .inner = ns); anything before is a prefix, anything after is nesting.
+No AnsibleModule here.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import re
+import stat as stat_mod
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+
+PVE_LXC_DIR = "/etc/pve/lxc"
+PVE_HA_RESOURCES = "/etc/pve/ha/resources.cfg"
+PROXMOX_MARKERS = ("/etc/pve", "/usr/sbin/pct")
+HOST = "host"
+UNATTRIBUTED = "unattributed"
+
+_CONTAINER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(?:/|$)")
+_DEVICE_RE = re.compile(r"^/dev/nvidia(\d+)$")
+
+
+def container_of_cgroup(path):
+    """The vmid (a string) of the first lxc/VMID/ns in a cgroup path, or None."""
+    match = _CONTAINER_RE.search(path or "")
+    return match.group(1) if match else None
+
+
+def container_of_pid(pid, proc_root="/proc"):
+    """The vmid of a live pid, HOST when it is in no container, None when it cannot be read."""
+    try:
+        path = procscan.parse_cgroup(procscan.read_text("%s/%d/cgroup" % (proc_root, pid)))
+    except OSError:
+        return None
+    return container_of_cgroup(path) or HOST
+
+
+def pid_in_container(nspid):
+    """The pid at the level of the container init's PID namespace (one below the node's), or None.
+
+    NSpid lists the pid from the reader's namespace inwards; an LXC container's namespace is a child
+    of the node's, so Docker inside LXC still gives the LXC-level pid.
+    """
+    if nspid and len(nspid) > 1:
+        return nspid[1]
+    return None
+
+
+def on_proxmox_node():
+    return any(os.path.exists(p) for p in PROXMOX_MARKERS)
+
+
+def init_environ_has_container(proc_root="/proc"):
+    """True/False from pid 1's environment (LXC, podman, systemd-nspawn set container=); None when unreadable."""
+    try:
+        raw = procscan.read_bytes("%s/1/environ" % proc_root)
+    except OSError:
+        return None
+    return any(item.startswith(b"container=") for item in raw.split(b"\0"))
+
+
+# ---- container configs (/etc/pve/lxc/VMID.conf)
+def parse_pve_conf(text):
+    """The main section of a container config: {"keys": {key: value}, "minors": [GPU minors passed in]}."""
+    keys, minors = {}, set()
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("["):
+            break  # snapshots and pending changes follow the main section
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition(":")
+        if not sep:
+            continue
+        key, value = key.strip(), value.strip()
+        keys.setdefault(key, value)
+        source = None
+        if re.match(r"^dev\d+$", key):
+            first = value.split(",")[0]
+            source = first[len("path="):] if first.startswith("path=") else first
+        elif key == "lxc.mount.entry":
+            source = value.split()[0] if value.split() else None
+        match = _DEVICE_RE.match(source or "")
+        if match:
+            minors.add(int(match.group(1)))
+    return {"keys": keys, "minors": sorted(minors)}
+
+
+def read_pve_confs(conf_dir=PVE_LXC_DIR):
+    """{vmid: parsed config} of this node's containers; None when the directory cannot be read."""
+    try:
+        names = os.listdir(conf_dir)
+    except OSError:
+        return None
+    out = {}
+    for name in names:
+        match = re.match(r"^(\d+)\.conf$", name)
+        if not match:
+            continue
+        try:
+            with open(os.path.join(conf_dir, name)) as f:
+                out[match.group(1)] = parse_pve_conf(f.read())
+        except OSError:
+            continue
+    return out
+
+
+def passed_into(confs, minor):
+    """Sorted vmids (ints) whose config passes GPU minor in; None when the configs are unreadable."""
+    if confs is None or minor is None:
+        return None
+    return sorted(int(v) for v, c in confs.items() if minor in c["minors"])
+
+
+def read_ha_resources(path=PVE_HA_RESOURCES):
+    """{vmid: state} of containers managed by HA (ct: VMID sections); {} when there is no such file."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return {}
+    out, current = {}, None
+    for line in text.splitlines():
+        match = re.match(r"^(ct|vm):\s*(\d+)\s*$", line)
+        if match:
+            current = match.group(2) if match.group(1) == "ct" else None
+            if current:
+                out[current] = "started"
+            continue
+        parts = line.split()
+        if current and len(parts) == 2 and parts[0] == "state":
+            out[current] = parts[1]
+    return out
+
+
+# ---- the node's view of NVML memory, by container
+def by_container(procs, used_mib, holders, proc_root="/proc"):
+    """MiB per container of one GPU from NVML's node view; the values add up to used_mib.
+
+    A pid NVML names but /proc no longer has (a dead parent whose fork child keeps the
+    memory, GPU_FACTS row 5) is charged to the container of the holder that is its heir.
+    """
+    out = {}
+    known = dict((h["pid"], h.get("container")) for h in holders)
+    heirs = {}
+    for holder in holders:
+        for dead in holder.get("heir_of") or ():
+            heirs.setdefault(dead, holder.get("container"))
+    listed = 0
+    for proc in procs or ():
+        mib = proc.get("used_mib") or 0
+        listed += mib
+        where = known.get(proc["pid"]) or container_of_pid(proc["pid"], proc_root) or heirs.get(proc["pid"]) or UNATTRIBUTED
+        out[where] = out.get(where, 0) + mib
+    if used_mib is not None and used_mib > listed:
+        out[UNATTRIBUTED] = out.get(UNATTRIBUTED, 0) + used_mib - listed
+    return dict(sorted(out.items()))
+
+
+# ---- scope: which processes a node-side release may signal
+class Scope(object):
+    """Containers (vmids) whose processes may be signalled, and whether processes in no container may be."""
+
+    def __init__(self, containers=(), host_processes=False, proc_root="/proc"):
+        self.containers = set(str(c) for c in containers)
+        self.host_processes = bool(host_processes)
+        self.proc_root = proc_root
+
+    def allows(self, where):
+        return where in self.containers or (where == HOST and self.host_processes)
+
+    def reason(self, record):
+        """Why record is out of scope (None when in scope)."""
+        where = record.get("container")
+        if where is None:
+            return "its container cannot be read"
+        if self.allows(where):
+            return None
+        if where == HOST:
+            return "a process of the node itself, in no container (host_processes is false)"
+        return "in container %s, which is not in `containers`" % where
+
+    def recheck(self, record):
+        """Membership read again at signal time; None when still in scope."""
+        where = container_of_pid(record["pid"], self.proc_root)
+        if where is None:
+            return "gone"
+        if where != record.get("container") or not self.allows(where):
+            return "pid %d moved to %s, out of scope" % (record["pid"], "the node" if where == HOST else "container " + where)
+        return None
+
+    def describe(self):
+        parts = ["containers %s" % ", ".join(sorted(self.containers, key=int))] if self.containers else []
+        if self.host_processes:
+            parts.append("processes in no container")
+        return " and ".join(parts) or "nothing"
+
+
+def container_inits(proc_root="/proc"):
+    """{vmid: pid of its init}, from the processes whose NSpid is (node pid, 1) in an lxc/VMID/ns cgroup."""
+    out = {}
+    for name in os.listdir(proc_root):
+        if not name.isdigit():
+            continue
+        try:
+            status = procscan.parse_status(procscan.read_text("%s/%s/status" % (proc_root, name)))
+        except OSError:
+            continue
+        nspid = status.get("nspid") or []
+        if len(nspid) != 2 or nspid[1] != 1:
+            continue
+        vmid = container_of_pid(int(name), proc_root)
+        if vmid and vmid != HOST:
+            out[vmid] = int(name)
+    return out
+
+
+def owner_of(pid, proc_root="/proc"):
+    """(uid, gid) of a process on the node: container root is 100000 in an unprivileged container."""
+    st = os.stat("%s/%d" % (proc_root, pid))
+    return st.st_uid, st.st_gid
+
+
+class RootLockDir(object):
+    """A lock directory inside another root (a container's, through /proc/INIT/root), owned by that root's root.
+
+    Walked one component at a time with O_NOFOLLOW, so a link the container planted cannot send
+    the node's root elsewhere.
+    """
+
+    def __init__(self, root, parts, uid, gid):
+        self.root, self.parts, self.uid, self.gid = root, list(parts), uid, gid
+        self.label = root.rstrip("/") + "/" + "/".join(self.parts)
+
+    def open(self):
+        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            for i, part in enumerate(self.parts):
+                last = i == len(self.parts) - 1
+                try:
+                    os.mkdir(part, 0o700 if last else 0o755, dir_fd=fd)
+                    os.chown(part, self.uid, self.gid, dir_fd=fd, follow_symlinks=False)
+                except FileExistsError:
+                    pass
+                try:
+                    child = os.open(part, flags, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                        raise LockDirRefused("refusing the lock directory %s: %s is not a directory (or is a link)"
+                                             % (self.label, part))
+                    raise
+                os.close(fd)
+                fd = child
+            st = os.fstat(fd)
+            if st.st_uid != self.uid or stat_mod.S_IMODE(st.st_mode) & 0o077:
+                raise LockDirRefused("refusing the lock directory %s: owner uid %d mode %04o, expected uid %d mode 0700"
+                                     % (self.label, st.st_uid, stat_mod.S_IMODE(st.st_mode), self.uid))
+            return fd
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def open_file(self, dir_fd, name):
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+        os.fchown(fd, self.uid, self.gid)
+        return fd
+
+
+class LockDirRefused(Exception):
+    pass
+
+
+def try_flock(fd):
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except OSError as exc:
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        return False
+
+
+def processes_by_container(proc_root="/proc"):
+    """{vmid: [{pid, container_pid, name}]} of every process in a container, in one walk of /proc."""
+    out = {}
+    for name in os.listdir(proc_root):
+        if not name.isdigit():
+            continue
+        pid = int(name)
+        vmid = container_of_pid(pid, proc_root)
+        if vmid in (None, HOST):
+            continue
+        try:
+            status = procscan.parse_status(procscan.read_text("%s/%d/status" % (proc_root, pid)))
+        except OSError:
+            continue
+        out.setdefault(vmid, []).append({"pid": pid, "container_pid": pid_in_container(status.get("nspid")),
+                                         "name": status.get("name")})
+    return out

@@ -1,0 +1,160 @@
+# Copyright (c) 2026 gpuops
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The container rung: stop and start a Proxmox container from its node (private helper).
+
+Through the Proxmox API (proxmoxer: status/stop, status/start, each task waited for) when
+credentials are given, else `pct stop` / `pct start` on the node. No AnsibleModule here.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+
+PCT_DIRS = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
+TASK_POLL_S = 0.25
+
+
+class RestartError(Exception):
+    pass
+
+
+def find_pct():
+    for directory in os.environ.get("PATH", "").split(os.pathsep) + list(PCT_DIRS):
+        path = os.path.join(directory or ".", "pct")
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+class PctBackend(object):
+    """pct on this node; configs and HA resources read from /etc/pve."""
+
+    name = "pct"
+
+    def __init__(self, pct=None, conf_dir=node.PVE_LXC_DIR, ha_path=node.PVE_HA_RESOURCES):
+        self.pct = pct or find_pct()
+        self.conf_dir = conf_dir
+        self.ha_path = ha_path
+
+    def lock_of(self, vmid):
+        confs = node.read_pve_confs(self.conf_dir) or {}
+        conf = confs.get(str(vmid))
+        if conf is None:
+            raise RestartError("container %s has no config in %s on this node" % (vmid, self.conf_dir))
+        return conf["keys"].get("lock")
+
+    def ha_state(self, vmid):
+        return node.read_ha_resources(self.ha_path).get(str(vmid))
+
+    def _run(self, action, vmid, timeout):
+        if self.pct is None:
+            raise RestartError("pct not found in PATH or %s: is this a Proxmox VE node?" % ", ".join(PCT_DIRS))
+        cmd = [self.pct, action, str(vmid)]
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
+                                  timeout=timeout, env=dict(os.environ, LC_ALL="C"), check=False)
+        except subprocess.TimeoutExpired:
+            return {"task": " ".join(cmd), "ok": False, "seconds": round(time.monotonic() - started, 3),
+                    "text": "did not return within %gs" % timeout}
+        text = " ".join(proc.stdout.split())[:400]
+        return {"task": " ".join(cmd), "ok": proc.returncode == 0, "seconds": round(time.monotonic() - started, 3),
+                "text": text if proc.returncode == 0 else "exit %d: %s" % (proc.returncode, text)}
+
+    def stop(self, vmid, timeout):
+        return self._run("stop", vmid, timeout)
+
+    def start(self, vmid, timeout):
+        return self._run("start", vmid, timeout)
+
+
+class ApiBackend(object):
+    """The Proxmox REST API through proxmoxer's https backend."""
+
+    name = "api"
+
+    def __init__(self, api):
+        try:
+            from proxmoxer import ProxmoxAPI
+        except ImportError as exc:
+            raise RestartError("proxmox_api needs the Python library proxmoxer (and requests) on the node: %s" % exc)
+        kwargs = {"port": api.get("port") or 8006, "verify_ssl": api.get("ca_path") or api.get("validate_certs", True),
+                  "timeout": api.get("timeout") or 10}
+        if api.get("token_id"):
+            kwargs.update(token_name=api["token_id"], token_value=api.get("token_secret"))
+        else:
+            kwargs.update(password=api.get("password"))
+        try:
+            self.api = ProxmoxAPI(api["host"], user=api["user"], backend="https", **kwargs)
+        except Exception as exc:
+            raise RestartError("the Proxmox API at %s refused the login: %s" % (api["host"], exc))
+        self.nodes = {}
+
+    def node_of(self, vmid):
+        if str(vmid) not in self.nodes:
+            for res in self.api.cluster.resources.get(type="vm"):
+                if res.get("type") == "lxc":
+                    self.nodes[str(res.get("vmid"))] = res.get("node")
+        found = self.nodes.get(str(vmid))
+        if found is None:
+            raise RestartError("the Proxmox API lists no container %s" % vmid)
+        return found
+
+    def lock_of(self, vmid):
+        return self.api.nodes(self.node_of(vmid)).lxc(vmid).config.get().get("lock")
+
+    def ha_state(self, vmid):
+        for res in self.api.cluster.ha.resources.get():
+            if res.get("sid") == "ct:%s" % vmid:
+                return res.get("state") or "started"
+        return None
+
+    def _task(self, action, vmid, timeout):
+        where = self.api.nodes(self.node_of(vmid))
+        started = time.monotonic()
+        try:
+            upid = getattr(where.lxc(vmid).status, action).post()
+        except Exception as exc:
+            return {"task": None, "ok": False, "seconds": round(time.monotonic() - started, 3), "text": str(exc)[:400]}
+        while True:
+            status = where.tasks(upid).status.get()
+            if status.get("status") == "stopped":
+                ok = status.get("exitstatus") == "OK"
+                return {"task": upid, "ok": ok, "seconds": round(time.monotonic() - started, 3),
+                        "text": status.get("exitstatus") or ""}
+            if time.monotonic() - started >= timeout:
+                return {"task": upid, "ok": False, "seconds": round(time.monotonic() - started, 3),
+                        "text": "task still running after %gs" % timeout}
+            time.sleep(TASK_POLL_S)
+
+    def stop(self, vmid, timeout):
+        return self._task("stop", vmid, timeout)
+
+    def start(self, vmid, timeout):
+        return self._task("start", vmid, timeout)
+
+
+def backend_for(api):
+    return ApiBackend(api) if api else PctBackend()
+
+
+def refusal(backend, vmid):
+    """Why this container may not be restarted (locked, managed by HA), or None."""
+    try:
+        lock = backend.lock_of(vmid)
+        ha = backend.ha_state(vmid)
+    except RestartError as exc:
+        return str(exc)
+    except Exception as exc:
+        return "container %s: its config or HA state cannot be read (%s)" % (vmid, exc)
+    if lock:
+        return ("container %s is locked (%s): a backup, migration or snapshot is running; it is not restarted; "
+                "wait for it to end" % (vmid, lock))
+    if ha:
+        return ("container %s is managed by HA (resource ct:%s, state %s): HA would start it again or fight the stop; "
+                "it is not restarted; take it out of HA or use ha-manager" % (vmid, vmid, ha))
+    return None

@@ -1,0 +1,153 @@
+"""Issue 11: gpu_status and gpu_release on a Proxmox node (the lab node pve1, over plain ssh).
+
+Two containers share GPU 0 (minor 0); 101 also sees minor 1; 102 is unprivileged. The truth is
+`labctl gpus` and the host's /proc, never only the module's word.
+"""
+import json
+import os
+import time
+
+from _enginelab import EngineLab, host_alive
+from _labfixture import clean_engine_lab, module_lab
+
+lab = module_lab(lambda: EngineLab("node11", ["--nodes", "1", "--containers", "2", "--gpus", "2",
+                                              "--layout", "101=0,1", "--layout", "102=0", "--unprivileged", "102"]))
+clean = clean_engine_lab()
+FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
+
+
+def node_gpu(play, minor):
+    return [g for g in play["gpus"] if g["minor"] == minor][0]
+
+
+def signalled(play):
+    return sorted(set(a["pid"] for a in play["actions"] if a["outcome"] == "sent"))
+
+
+def node_pid(run):
+    return run["node_holders"][0]
+
+
+def test_node_status_shows_every_containers_holders_with_vmid_and_container_pid(clean):
+    a = clean.run("plain", 101, [0], mib=1000)
+    b = clean.run("plain", 102, [0], mib=700)
+    play = clean.play("pve1", "gpu_status", {"cmdline": False})
+    assert not play.failed, play
+    assert play["view"] == "node" and play["in_container"] is False
+    gpu = node_gpu(play, 0)
+    holders = dict((h["pid"], h) for h in play["holders"])
+    assert sorted(gpu["holders"]) == sorted([node_pid(a), node_pid(b)])
+    assert holders[node_pid(a)]["container"] == "101" and holders[node_pid(a)]["container_pid"] == a["container_holders"][0]
+    assert holders[node_pid(b)]["container"] == "102" and holders[node_pid(b)]["container_pid"] == b["container_holders"][0]
+    assert gpu["by_container"] == {"101": 1000, "102": 700}
+    assert sum(gpu["by_container"].values()) == clean.used(0) == gpu["memory"]["used_mib"]
+    assert gpu["passed_into"] == [101, 102] and node_gpu(play, 1)["passed_into"] == [101]
+    assert any("container 101 pid %d" % a["container_holders"][0] in line for line in play["diagnosis"])
+
+
+def test_node_release_without_a_scope_fails_before_any_signal(clean):
+    a = clean.run("plain", 101, [0])
+    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"]))
+    assert play.failed and "signals nothing without a scope" in play["msg"] and "containers: [VMID" in play["msg"]
+    assert host_alive(a["holders"][0]) and clean.used(0) == 512
+
+
+def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):
+    a = clean.run("plain", 101, [0], mib=1000)
+    b = clean.run("plain", 102, [0], mib=700)
+    check = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101]), check_mode=True)
+    assert [p["pid"] for p in check["plan"]] == [node_pid(a)] and host_alive(a["holders"][0])
+    assert [s["pid"] for s in check["not_signalled"]] == [node_pid(b)]
+    assert "container 102, which is not in `containers`" in check["not_signalled"][0]["reason"]
+    # the whole GPU must be free by default: B keeps it busy, and B is never signalled
+    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101]))
+    assert play.failed and signalled(play) == [node_pid(a)], play
+    assert not host_alive(a["holders"][0]) and host_alive(b["holders"][0]) and clean.used(0) == 700
+    # shared_gpu: own: nothing of 101 holds it any more
+    own = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], shared_gpu="own"))
+    assert not own.failed and own["changed"] is False and own["actions"] == [], own
+    assert own["before"][0]["by_container"] == {"102": 700} and own["before"][0]["free_for_scope"] is True
+    assert host_alive(b["holders"][0])
+
+
+def test_a_release_inside_the_container_waits_for_the_node_side_lock(clean):
+    clean.run("term_ignoring", 101, [0])
+    finish = clean.play("pve1", "gpu_release", dict(gpus=["0"], containers=[101], term_timeout=4, kill_timeout=2),
+                        background=True)
+    init = json.loads(clean.labctl("status", parse=False))["nodes"]["pve1"]["containers"]["101"]["init_host_pid"]
+    lock_dir = "/proc/%d/root/run/lock/gpuops-fleet" % init
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and not (os.path.isdir(lock_dir) and os.listdir(lock_dir)):
+        time.sleep(0.1)
+    assert os.listdir(lock_dir), "the node-side release never took the container's lock"
+    time.sleep(0.5)
+    inside = clean.play("ct101", "gpu_release", dict(FAST, gpus=["0"]))
+    node_play = finish()
+    assert not node_play.failed and signalled(node_play), node_play
+    assert not inside.failed and inside["lock_wait_s"] > 0.5, inside
+    assert inside["changed"] is False and clean.used(0) == 0
+
+
+def test_reset_is_refused_inside_a_container_and_while_a_client_runs_on_the_node(clean):
+    inside = clean.play("ct101", "gpu_release", dict(FAST, gpus=["1"], gpu_reset=True))
+    assert inside.failed and "gpu_reset is refused inside a container" in inside["msg"] and "node" in inside["msg"]
+    clean.labctl("leak", "--node", "pve1", "--gpu", 1, "--mib", 1000)
+    monitor = clean.run("monitor", 101)
+    refused = clean.play("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))
+    assert refused.failed and clean.used(1) == 1000, refused
+    resets = [a for a in refused["actions"] if a["signal"] == "reset"]
+    assert resets and resets[0]["outcome"].startswith("refused: pid %d" % monitor["node_pids"][0]), refused
+    assert host_alive(monitor["host_pids"][0])   # an NVML client is never signalled
+    os.kill(monitor["host_pids"][0], 9)
+    done = clean.play("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))
+    assert not done.failed, done.get("msg")
+    assert done["rung_reached"] == "reset" and clean.used(1) == 0, done
+    assert [a["outcome"][:4] for a in done["actions"] if a["signal"] == "reset"] == ["done"]
+
+
+def test_container_rung_restarts_a_container_whose_launcher_respawns_faster_than_sigkill(clean):
+    run = clean.run("launcher_respawn", 101, [0], mib=900)
+    other = clean.run("plain", 102, [0], mib=700)
+    args = dict(FAST, gpus=["0"], containers=[101], shared_gpu="own", container_restart=True)
+    plan = clean.play("pve1", "gpu_release", args, check_mode=True)
+    assert not plan.failed, plan
+    entry = plan["restart_plan"][0]
+    names = [p["name"] for p in entry["processes"]]
+    assert entry["vmid"] == 101 and entry["gpus"] == [0] and entry["untargeted_gpus"] == []
+    assert run["node_pids"][0] in [p["pid"] for p in entry["processes"]] and len(names) >= 3
+    assert host_alive(run["roles"]["launcher"]) and clean.used(0) == 1600
+    play = clean.play("pve1", "gpu_release", args)
+    assert not play.failed and play["rung_reached"] == "container_restart", play
+    steps = [(a["signal"], a["outcome"][:4]) for a in play["actions"] if a.get("vmid") == 101]
+    assert steps == [("container_stop", "done"), ("container_start", "done")]
+    assert not host_alive(run["roles"]["launcher"]) and host_alive(other["holders"][0])
+    assert clean.used(0) == 700
+    clean.wait_supervisord(101)
+
+
+def test_container_rung_refuses_a_locked_container_and_an_ha_one(clean):
+    run = clean.run("launcher_respawn", 101, [0], mib=900)
+    args = dict(FAST, gpus=["0"], containers=[101], container_restart=True)
+    try:
+        clean.labctl("lock", "--vmid", 101, "--lock", "backup", parse=False)
+        play = clean.play("pve1", "gpu_release", args)
+        assert play.failed and "container 101 is locked (backup)" in play["msg"], play
+        assert not [a for a in play["actions"] if a["signal"] == "container_stop"]
+        clean.labctl("lock", "--vmid", 101, "--clear", parse=False)
+        clean.labctl("ha", "--vmid", 101, parse=False)
+        play = clean.play("pve1", "gpu_release", args)
+        assert play.failed and "managed by HA (resource ct:101" in play["msg"], play
+        assert host_alive(run["roles"]["launcher"])
+    finally:
+        clean.labctl("lock", "--vmid", 101, "--clear", parse=False, check=False)
+        clean.labctl("ha", "--vmid", 101, "--remove", parse=False, check=False)
+
+
+def test_container_rung_fails_precisely_on_a_thread_stuck_in_the_driver(clean):
+    run = clean.run("stuck", 101, [0])
+    play = clean.play("pve1", "gpu_release", dict(gpus=["0"], containers=[101], container_restart=True, term_timeout=0.5,
+                                                  kill_timeout=0.5, verify_timeout=1, container_timeout=30))
+    assert play.failed and host_alive(run["holders"][0]), play
+    assert "container 101 did not stop" in play["msg"] and "in D state (wchan " in play["msg"], play
+    assert "wchan unknown" not in play["msg"] and "only a driver reload or a node reboot frees it" in play["msg"]
+    assert [a["outcome"][:6] for a in play["actions"] if a["signal"] == "container_stop"] == ["failed"]

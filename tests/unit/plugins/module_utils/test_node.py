@@ -1,0 +1,121 @@
+"""The node-side helpers: containers from cgroups, configs, HA, by_container, scope, container locks."""
+import os
+import stat
+
+import pytest
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import GpuLocks, LockDirError, LockTimeout
+
+CONF = """arch: amd64
+hostname: ct101
+dev0: /dev/nvidia4,gid=44
+dev1: path=/dev/nvidia5
+dev2: /dev/nvidiactl
+lock: backup
+lxc.cgroup2.devices.allow: c 195:* rwm
+lxc.mount.entry: /dev/nvidia3 dev/nvidia0 none bind,optional,create=file
+lxc.mount.entry: /dev/nvidia-uvm dev/nvidia-uvm none bind,optional,create=file
+
+[snap1]
+dev0: /dev/nvidia7
+lock: snapshot
+"""
+
+
+@pytest.mark.parametrize("path, vmid", [
+    ("/lxc/101/ns/system.slice/sglang.service", "101"),
+    ("/gpuops-lab-ab12/pve1/lxc/204/ns", "204"),
+    ("/lxc/101/ns/docker/abc/lxc/7/ns/x", "101"),   # nesting after the first lxc/VMID/ns
+    ("/lxc.monitor/101", None),
+    ("/lxc/101", None),                              # the container's outer cgroup holds no process of it
+    ("/system.slice/sshd.service", None),
+    ("", None),
+])
+def test_container_is_the_first_lxc_vmid_ns_of_the_cgroup_path(path, vmid):
+    assert node.container_of_cgroup(path) == vmid
+
+
+def test_pid_in_container_is_the_level_below_the_node():
+    assert node.pid_in_container([4388, 77]) == 77
+    assert node.pid_in_container([4388, 77, 3]) == 77       # Docker inside LXC: the LXC-level pid
+    assert node.pid_in_container([4388]) is None
+
+
+def test_config_main_section_gives_minors_and_lock_not_the_snapshots():
+    conf = node.parse_pve_conf(CONF)
+    assert conf["minors"] == [3, 4, 5]
+    assert conf["keys"]["lock"] == "backup" and conf["keys"]["hostname"] == "ct101"
+
+
+def test_passed_into_reads_every_config_of_the_node(tmp_path):
+    (tmp_path / "101.conf").write_text(CONF)
+    (tmp_path / "102.conf").write_text("dev0: /dev/nvidia4\n")
+    (tmp_path / "notes.txt").write_text("dev0: /dev/nvidia4\n")
+    confs = node.read_pve_confs(str(tmp_path))
+    assert node.passed_into(confs, 4) == [101, 102]
+    assert node.passed_into(confs, 3) == [101]
+    assert node.passed_into(confs, 6) == []
+    assert node.passed_into(node.read_pve_confs(str(tmp_path / "missing")), 4) is None
+
+
+def test_ha_resources_name_containers_with_their_state(tmp_path):
+    path = tmp_path / "resources.cfg"
+    path.write_text("ct: 101\n\tgroup gpu\n\tstate started\n\nvm: 300\n\tstate started\n\nct: 102\n\tstate disabled\n")
+    assert node.read_ha_resources(str(path)) == {"101": "started", "102": "disabled"}
+    assert node.read_ha_resources(str(tmp_path / "none.cfg")) == {}
+
+
+def test_by_container_adds_up_to_used_and_charges_a_dead_parent_to_its_heir():
+    holders = [{"pid": 10, "container": "101", "heir_of": []},
+               {"pid": 20, "container": "102", "heir_of": [99999999]}]
+    procs = [{"pid": 10, "used_mib": 1000}, {"pid": 99999999, "used_mib": 500}]
+    out = node.by_container(procs, 1800, holders)
+    assert out == {"101": 1000, "102": 500, "unattributed": 300}
+    assert sum(out.values()) == 1800
+
+
+def test_scope_allows_its_containers_and_host_processes_only_when_asked():
+    scope = node.Scope([101], host_processes=False)
+    assert scope.reason({"container": "101"}) is None
+    assert "container 102" in scope.reason({"container": "102"})
+    assert "host_processes is false" in scope.reason({"container": "host"})
+    assert node.Scope([], host_processes=True).reason({"container": "host"}) is None
+
+
+def test_scope_recheck_reads_the_cgroup_again():
+    me = os.getpid()
+    where = node.container_of_pid(me)
+    scope = node.Scope([101])
+    assert "out of scope" in scope.recheck({"pid": me, "container": "101"})
+    assert node.Scope([], host_processes=True).recheck({"pid": me, "container": where}) is None
+
+
+def test_rooted_lock_dir_is_made_for_the_roots_owner_and_excludes_a_second_taker(tmp_path):
+    root = tmp_path / "ctroot"
+    (root / "run").mkdir(parents=True)
+    uid, gid = os.getuid(), os.getgid()
+    first = GpuLocks(rooted=node.RootLockDir(str(root), ["run", "lock", "gpuops-fleet"], uid, gid))
+    first.acquire(["GPU-a"], 1)
+    made = root / "run" / "lock" / "gpuops-fleet"
+    assert stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert (made / "gpuops-fleet-gpu-GPU-a.lock").exists()
+    # the container's own release takes the same file by its own path
+    inside = GpuLocks(str(made))
+    with pytest.raises(LockTimeout):
+        inside.acquire(["GPU-a"], 0.2)
+    first.release()
+    inside.acquire(["GPU-a"], 0.2)
+    inside.release()
+
+
+def test_rooted_lock_dir_never_follows_a_planted_link(tmp_path):
+    root = tmp_path / "ctroot"
+    (root / "run").mkdir(parents=True)
+    elsewhere = tmp_path / "node-etc"
+    elsewhere.mkdir()
+    os.symlink(str(elsewhere), str(root / "run" / "lock"))
+    locks = GpuLocks(rooted=node.RootLockDir(str(root), ["run", "lock", "gpuops-fleet"], os.getuid(), os.getgid()))
+    with pytest.raises(LockDirError, match="is not a directory"):
+        locks.acquire(["GPU-a"], 0.2)
+    assert os.listdir(str(elsewhere)) == []

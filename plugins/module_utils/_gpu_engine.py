@@ -559,7 +559,7 @@ class Report(object):
 
 def _pname(record):
     where = record.get("container")
-    if where and where != node.HOST:
+    if where and where != node.HOST and record.get("container_pid") is not None:
         return "pid %d (%s, container %s pid %s)" % (record["pid"], record["name"], where, record.get("container_pid"))
     return "pid %d (%s)" % (record["pid"], record["name"])
 

@@ -662,11 +662,12 @@ class Releaser(object):
                      "processes": members.get(vmid, []), "backend": getattr(self.restart_backend, "name", None),
                      "refusal": restart.refusal(self.restart_backend, vmid) if self.restart_backend else None}
             if over and self.collateral != "stop":
+                words = (vmid, _mib_list(over), "is" if len(over) == 1 else "are", len(entry["processes"]),
+                         _gpu_list_words([i for i, dummy in over]))
                 self.refusals.append(
                     "container_restart would restart container %s, whose processes also hold %s, which %s not "
                     "targeted (a restart stops everything in it: %d processes); nothing was signalled. To go on, set "
-                    "collateral: stop, or target %s too" % (vmid, _mib_list(over), "is" if len(over) == 1 else "are",
-                                                           len(entry["processes"]), _gpu_list_words([i for i, d in over])))
+                    "collateral: stop, or target %s too" % words)
             out.append(entry)
         return out
 

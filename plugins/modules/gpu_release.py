@@ -156,7 +156,7 @@ options:
       - On a node with O(containers), when a targeted GPU counts as free.
       - V(all) demands the whole GPU free.
       - "V(own) counts it free when nothing of O(containers) (and of the node, with O(host_processes)) holds it: no
-        such holder, and their MiB by container (RV(before[].by_container)) within O(threshold_mib). Memory of other
+        such holder, and their MiB by container (RV(before), C(by_container)) within O(threshold_mib). Memory of other
         containers is reported, not waited for."
     type: str
     choices: [all, own]

@@ -145,18 +145,24 @@ class RoleLab:
             cmd.append("--check")
         proc = subprocess.run(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               universal_newlines=True, timeout=400, check=False)
-        recap = {}
-        for line in proc.stdout.splitlines():
-            match = RECAP.match(line)
-            if match:
-                keys = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")
-                recap[match.group(1)] = dict(zip(keys, (int(g) for g in match.groups()[1:])))
+        recap = parse_recap(proc.stdout)
         reports = {}
         for entry in os.listdir(report_dir):
             if entry.endswith(".json") and entry != "vars.json":
                 with open(os.path.join(report_dir, entry)) as f:
                     reports[entry[:-5]] = json.load(f)
         return PlayResult(proc.returncode, proc.stdout, recap, reports)
+
+
+def parse_recap(output):
+    """host -> {ok, changed, unreachable, failed, skipped, rescued, ignored} from PLAY RECAP lines."""
+    recap = {}
+    for line in output.splitlines():
+        match = RECAP.match(line)
+        if match:
+            keys = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")
+            recap[match.group(1)] = dict(zip(keys, (int(g) for g in match.groups()[1:])))
+    return recap
 
 
 def wave_includes(output):

@@ -95,8 +95,11 @@ class Api:
 
     def wait_task(self, node, upid, timeout=30):
         quoted = urllib.parse.quote(upid, safe="")
-        return wait_until(lambda: (lambda t: t if t["status"] == "stopped" else None)(
-            self.call("GET", "/nodes/%s/tasks/%s/status" % (node, quoted))[2]), timeout=timeout, interval=0.2)
+
+        def stopped():
+            task = self.call("GET", "/nodes/%s/tasks/%s/status" % (node, quoted))[2]
+            return task if task["status"] == "stopped" else None
+        return wait_until(stopped, timeout=timeout, interval=0.2)
 
 
 # ---- 1a: /etc/pve

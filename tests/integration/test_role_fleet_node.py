@@ -12,7 +12,7 @@ import tempfile
 
 from _enginelab import EngineLab, host_alive
 from _labfixture import module_lab
-from _rolelab import RECAP, PlayResult
+from _rolelab import PlayResult, parse_recap
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VMIDS = [str(n * 100 + c) for n in (1, 2, 3) for c in range(1, 9)]
@@ -35,13 +35,7 @@ def playbook(lab, extra):
            lab.inventory, os.path.join(REPO, "playbooks", "release_gpus.yml"), "-e", "@" + vars_file, "--forks", "24"]
     proc = subprocess.run(cmd, cwd=REPO, env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           universal_newlines=True, timeout=900, check=False)
-    recap = {}
-    for line in proc.stdout.splitlines():
-        match = RECAP.match(line)
-        if match:
-            keys = ("ok", "changed", "unreachable", "failed", "skipped", "rescued", "ignored")
-            recap[match.group(1)] = dict(zip(keys, (int(g) for g in match.groups()[1:])))
-    return PlayResult(proc.returncode, proc.stdout, recap, {})
+    return PlayResult(proc.returncode, proc.stdout, parse_recap(proc.stdout), {})
 
 
 def test_fleet_sharing_gpu0_is_freed_with_auto_and_changed_is_exact(lab):

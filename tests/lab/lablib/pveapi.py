@@ -181,7 +181,6 @@ def format_ha(resources):
     return out
 
 
-
 class LabView:
     def __init__(self, state):
         self.state = state

@@ -24,7 +24,7 @@ $(VENV)/.stamp: requirements-controller.txt requirements-target.txt requirements
 	$(VPY) -m pip install -q --upgrade pip
 	$(VPY) -m pip install -q -r requirements-dev.txt
 	mkdir -p $(dir $(COLL_LINK)) && ln -sfn "$(CURDIR)" $(COLL_LINK)
-	mkdir -p $(WHEELS) && $(VPY) -m pip download -q -d $(WHEELS) -r requirements-target.txt supervisor
+	mkdir -p $(WHEELS) && $(VPY) -m pip download -q -d $(WHEELS) -r requirements-target.txt supervisor proxmoxer requests
 	touch $@
 
 test: venv

@@ -151,3 +151,23 @@ def test_container_rung_fails_precisely_on_a_thread_stuck_in_the_driver(clean):
     assert "container 101 did not stop" in play["msg"] and "in D state (wchan " in play["msg"], play
     assert "wchan unknown" not in play["msg"] and "only a driver reload or a node reboot frees it" in play["msg"]
     assert [a["outcome"][:6] for a in play["actions"] if a["signal"] == "container_stop"] == ["failed"]
+
+
+def test_container_rung_through_the_proxmox_api_waits_for_both_tasks(clean):
+    from lablib import pveapi
+    status = json.loads(clean.labctl("status", parse=False))
+    api = status["api"]
+    host = api["url"].split("//")[1].split(":")[0]
+    credentials = {"host": host, "port": pveapi.PORT, "user": pveapi.USER, "token_id": pveapi.TOKEN_ID,
+                   "token_secret": pveapi.read_secret(os.path.dirname(status["inventory"]), "token"), "ca_path": api["ca"]}
+    run = clean.run("launcher_respawn", 101, [0], mib=900)
+    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], container_restart=True,
+                                                  proxmox_api=credentials))
+    assert not play.failed and play["rung_reached"] == "container_restart", play
+    assert play["restart_plan"][0]["backend"] == "api"
+    steps = [a for a in play["actions"] if a.get("vmid") == 101]
+    assert [(a["signal"], a["outcome"][:4]) for a in steps] == [("container_stop", "done"), ("container_start", "done")]
+    assert all(a["task"].startswith("UPID:pve1:") and ":vzst" in a["task"] for a in steps), steps
+    assert credentials["token_secret"] not in play.output
+    assert not host_alive(run["roles"]["launcher"]) and clean.used(0) == 0
+    clean.wait_supervisord(101)

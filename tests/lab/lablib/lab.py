@@ -22,7 +22,7 @@ UNPRIV_BASE = 100000  # lxc.idmap = u 0 100000 65536: container root on the node
 WHEELS = os.path.join(REPO, ".cache", "wheels")
 VENV = os.path.join(REPO, ".lab", "venv")
 VENV_BARE = os.path.join(REPO, ".lab", "venv-bare")
-VENV_PACKAGES = ("psutil", "nvidia-ml-py", "supervisor")
+VENV_PACKAGES = ("psutil", "nvidia-ml-py", "supervisor", "proxmoxer", "requests")  # proxmoxer: the node-side container rung over the API
 
 
 def system_python():

@@ -1,5 +1,18 @@
 """Fixture factories shared by the integration test modules; each module keeps its own lab and LAB_ID."""
+import time
+
 import pytest
+
+
+def wait_until(predicate, timeout=10.0, interval=0.05):
+    """The predicate's first true value within timeout, else its last value (tests assert on it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    return predicate()
 
 
 def module_lab(build, name="lab"):

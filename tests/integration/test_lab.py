@@ -13,6 +13,8 @@ import time
 
 import pytest
 
+from _labfixture import wait_until
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
 LAB_ID = "labit%04x" % (os.getpid() & 0xFFFF)
@@ -38,16 +40,6 @@ def labjson(*args, **kw):
 
 def gpu(node, minor, lab_id=LAB_ID):
     return next(g for g in labjson("gpus", "--node", node, lab_id=lab_id) if g["minor"] == minor)
-
-
-def wait_until(predicate, timeout=10.0, interval=0.05):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 def proc_field(pid, field):

@@ -18,6 +18,8 @@ import urllib.request
 import pytest
 import yaml
 
+from _labfixture import wait_until
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
 VENV_PY = os.path.join(REPO, ".lab", "venv", "bin", "python")
@@ -40,16 +42,6 @@ def labctl(*args, check=True, timeout=120):
 
 def labjson(*args, **kw):
     return json.loads(labctl(*args, **kw).stdout)
-
-
-def wait_until(predicate, timeout=10.0, interval=0.02):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    return predicate()
 
 
 @pytest.fixture(scope="module")

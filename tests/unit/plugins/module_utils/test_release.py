@@ -354,6 +354,25 @@ def test_ladder_fails_honestly_when_match_excludes_the_holder(lab, tmp_path):
     assert msg.startswith("GPU 0 not free after the ladder") and "does not match `match`" in msg
 
 
+def test_send_guarded_rereads_node_side_membership_before_the_signal():
+    """Issue 11: a process whose container changed since the plan is not signalled (scope read again)."""
+    from ansible_collections.gpuops.fleet.plugins.module_utils._node import Scope
+    proc = subprocess.Popen(["sleep", "30"])
+    try:
+        stat = procscan.read_stat(proc.pid)
+        record = {"pid": proc.pid, "name": "sleep", "starttime_ticks": stat["starttime"], "create_time": None,
+                  "container": "101"}
+        outcome = send_guarded(record, signal.SIGKILL, recheck=Scope([101]).recheck)
+        assert outcome.startswith("not sent: pid %d moved to" % proc.pid) and "out of scope" in outcome
+        assert proc.poll() is None
+        record["container"] = "host"
+        assert send_guarded(record, signal.SIGKILL, recheck=Scope([], host_processes=True).recheck) == "sent"
+        assert proc.wait(5) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
 def test_send_guarded_refuses_a_reused_pid():
     proc = subprocess.Popen(["sleep", "30"])
     try:

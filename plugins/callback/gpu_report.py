@@ -65,7 +65,7 @@ STATUS_ACTIONS = ("gpuops.fleet.gpu_status", "gpu_status")
 RELEASE_ACTIONS = ("gpuops.fleet.gpu_release", "gpu_release")
 NODE_VARS = ("proxmox_node", "lab_node", "ansible_host")
 CONTAINER_VARS = ("pct_vmid", "proxmox_vmid", "vmid")
-RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "reset")
+RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "container_restart", "reset")
 COLUMNS = (("node", "NODE"), ("container", "CT"), ("host", "HOST"), ("gpu_index", "GPU"), ("gpu_uuid", "UUID"),
            ("before_mib", "BEFORE MiB"), ("after_mib", "AFTER MiB"), ("rung", "RUNG"), ("verdict", "VERDICT"),
            ("actions", "STOPPED / SIGNALLED"))
@@ -101,6 +101,9 @@ class HostReport:
     # ---- module results
     def add_status(self, res):
         for entry in res.get("gpus") or []:
+            if res.get("view") == "node" and entry.get("by_container"):
+                self._add_node_status(entry)
+                continue
             row = self.gpu(entry)
             used = _mib((entry.get("memory") or {}).get("used_mib"))
             if row["before_mib"] is None and not row["after_read"]:
@@ -111,6 +114,22 @@ class HostReport:
                 row["free"] = entry.get("free")
             if row["free"] is None or not row["after_read"]:
                 row["free"] = entry.get("free")
+
+    def _add_node_status(self, entry):
+        """A node-side reading: one row per container holding memory on the GPU (its MiB by container)."""
+        shares = entry["by_container"]
+        seen = set(k for k, row in self.gpus.items() if isinstance(k, tuple) and k[0] == entry.get("uuid"))
+        for where in sorted(set(shares) | set(row_key[1] for row_key in seen)):
+            key = (entry.get("uuid"), where)
+            row = self.gpus.setdefault(key, {"gpu_uuid": entry.get("uuid"), "gpu_index": entry.get("index"),
+                                             "before_mib": None, "after_mib": None, "after_read": False,
+                                             "free": None, "rung": "none", "signals": [], "container": where})
+            mib = _mib(shares.get(where, 0))
+            if row["before_mib"] is None:
+                row["before_mib"], row["was_free"] = mib, not mib
+            else:
+                row["after_mib"], row["after_read"] = mib, True
+            row["free"] = not mib
 
     def add_release(self, res):
         before = res.get("before") or []
@@ -131,8 +150,12 @@ class HostReport:
             row["signals"] = ["%s %s (%s)" % (a.get("signal"), a.get("pid"), a.get("name")) for a in sent]
             row["signals"] += ["reset GPU %s: %s" % (entry.get("index"), a.get("outcome")) for a in resets]
             signals = {a.get("signal") for a in sent}
+            restarted = [a for a in actions if a.get("signal") == "container_stop" and str(a.get("outcome")).startswith("done")]
+            row["signals"] += ["restarted container %s" % a.get("vmid") for a in restarted]
             if entry.get("free"):
                 row["rung"] = "none"
+            elif restarted:
+                row["rung"] = "container_restart"
             elif resets:
                 row["rung"] = "reset"
             elif "SIGKILL" in signals:

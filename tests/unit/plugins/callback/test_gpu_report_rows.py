@@ -123,3 +123,26 @@ def test_table_has_a_line_per_row_in_column_order():
     lines = gpu_report.render_table(rows)
     assert lines[0].split()[:4] == ["NODE", "CT", "HOST", "GPU"] and len(lines) == 3
     assert lines[2].split()[:9] == ["pve1", "101", "ct101", "1", GPU1, "1536", "0", "sigkill", "freed"]
+
+
+def test_node_side_status_gives_a_row_per_container_of_a_shared_gpu():
+    def node_status(shares):
+        return {"host": "pve1", "action": "gpuops.fleet.gpu_status", "result": {"view": "node", "gpus": [
+            {"index": 0, "uuid": GPU0, "memory": {"used_mib": sum(shares.values())}, "free": not sum(shares.values()),
+             "by_container": shares}]}}
+    rows = rows_of([node_status({"101": 1000, "102": 700}), node_status({"102": 700})],
+                   hostvars={"ansible_host": "127.221.6.1"})
+    got = [(r["node"], r["container"], r["gpu_uuid"], r["before_mib"], r["after_mib"], r["verdict"]) for r in rows]
+    assert got == [("pve1", "101", GPU0, 1000, 0, "freed"), ("pve1", "102", GPU0, 700, 700, "busy")]
+
+
+def test_a_container_restart_is_the_rung_of_a_node_side_release():
+    entry = {"index": 0, "uuid": GPU0, "used_mib": 900, "free": False}
+    result = {"before": [entry], "after": [dict(entry, used_mib=0, free=True)], "rung_reached": "container_restart",
+              "plan": [{"pid": 40, "gpus": [0]}],
+              "actions": [{"pid": 40, "name": "gpu_worker", "signal": "SIGKILL", "outcome": "sent"},
+                          {"pid": 0, "name": "container 101", "vmid": 101, "signal": "container_stop", "outcome": "done: OK"},
+                          {"pid": 0, "name": "container 101", "vmid": 101, "signal": "container_start", "outcome": "done: OK"}]}
+    row, = rows_of([{"host": "ct101", "action": "gpuops.fleet.gpu_release", "result": result}])
+    assert (row["rung"], row["verdict"], row["after_mib"]) == ("container_restart", "freed", 0)
+    assert "restarted container 101" in row["actions"]

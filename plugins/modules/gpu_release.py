@@ -237,15 +237,37 @@ EXAMPLES = r"""
   check_mode: true
   register: plan
 
-- name: Free a GPU whose memory leaked, resetting it if nothing holds it
-  gpuops.fleet.gpu_release:
-    gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
-    gpu_reset: true
-
 - name: Free GPU 3 even if its tensor-parallel job spans other GPUs (the whole job is stopped)
   gpuops.fleet.gpu_release:
     gpus: [3]
     collateral: stop
+
+- name: From the Proxmox node, free a GPU shared by several containers of only container 101's holders
+  gpuops.fleet.gpu_release:
+    gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
+    containers: [101]
+    shared_gpu: own
+  delegate_to: pve1
+
+- name: From the node, restart container 101 if its launcher respawns holders faster than SIGKILL
+  gpuops.fleet.gpu_release:
+    gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
+    containers: [101]
+    container_restart: true
+    proxmox_api:
+      host: pve1.example.com
+      user: gpuops@pve
+      token_id: release
+      token_secret: "{{ vault_pve_token }}"
+      ca_path: /etc/pve/pve-root-ca.pem
+  delegate_to: pve1
+
+- name: Reset a GPU whose memory leaked (only from the node; refused while anything has it open)
+  gpuops.fleet.gpu_release:
+    gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
+    containers: [101]
+    gpu_reset: true
+  delegate_to: pve1
 
 - name: Never touch the exporter started by our monitoring
   gpuops.fleet.gpu_release:

@@ -63,6 +63,15 @@ EXAMPLES = r"""
       - GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10
     cmdline: false
 
+- name: From the Proxmox node, every container's holders and each GPU's MiB by container
+  gpuops.fleet.gpu_status:
+  delegate_to: pve1
+  register: node_gpus
+
+- name: Containers holding GPU 0 of the node
+  ansible.builtin.debug:
+    msg: "{{ node_gpus.gpus[0].by_container }}"
+
 - name: Fail when a GPU is busy (more than 256 MiB beyond the reserved floor)
   gpuops.fleet.gpu_status:
     threshold_mib: 256

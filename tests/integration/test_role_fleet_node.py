@@ -47,6 +47,9 @@ def test_fleet_sharing_gpu0_is_freed_with_auto_and_changed_is_exact(lab):
     play = playbook(lab, {"release_gpus_from": "auto"})
     assert play.rc == 0 and play.failed_hosts() == [], play
     assert "Node | Release from the node" in play.output  # the fallback ran: memory of other containers was left
+    # issue 13: the common path's 12 task lines (the playbook's 2 and the role's 10), plus at most 4 for the fallback
+    lines = [line for line in play.output.splitlines() if line.startswith("TASK [")]
+    assert len(lines) <= 12 + 4, "\n".join(lines)
     assert all(lab.used(0, node=n) == 0 for n in ("pve1", "pve2", "pve3")), play
     assert not [v for v, r in runs.items() if host_alive(r["holders"][0])]
     changed = sorted(h[2:] for h, r in play.recap.items() if h.startswith("ct") and r["changed"])

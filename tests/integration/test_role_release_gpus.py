@@ -111,6 +111,39 @@ def test_respawning_program_fails_until_its_service_is_stopped(clean):
     assert "STOPPED" in status.stdout, status.stdout
 
 
+def task_lines(output):
+    """The TASK [ lines of ansible-playbook's default output (skipped tasks and includes print one too)."""
+    return [line for line in output.splitlines() if line.startswith("TASK [")]
+
+
+def test_common_path_runs_at_most_12_task_lines(clean):
+    """Issue 13: dependencies present, one supervisord program to stop, one holder: at most 12 task lines."""
+    lab = clean
+    respawn = lab.run("respawn", 102, [0], 512)
+    holder = lab.run("plain", 102, [1], 256)
+    program = respawn["supervisor_program"]
+    assert lab.gpus()[("102", 0)] == 512 and lab.gpus()[("102", 1)] == 256
+    done = lab.playbook("release_gpus.yml", {"release_gpus_supervisor_programs": [program]}, limit="ct102")
+    assert done.rc == 0, done
+    lines = task_lines(done.output)
+    role_lines = [line for line in lines if line.startswith("TASK [gpuops.fleet.release_gpus : ")]
+    # the whole playbook: its wave task and include_role line, then the role's own lines
+    assert len(role_lines) <= 12 and len(lines) <= 12, "\n".join(lines)
+    assert lab.gpus()[("102", 0)] == 0 and lab.gpus()[("102", 1)] == 0
+    assert not alive(holder["holders"][0])
+    report = done.reports["ct102"]
+    assert report["stopped"] == ["supervisord program " + program], report
+    assert report["changed"] is True and done.changed("ct102") >= 1, done
+    assert any(a["signal"] == "SIGTERM" and a["outcome"] == "sent" for a in report["actions"]), report
+    status = lab.exec(102, "/usr/local/sbin/supervisorctl", "status", program)
+    assert "STOPPED" in status.stdout, status.stdout
+    # nothing left: the same lines, nothing stopped, signalled or changed
+    again = lab.playbook("release_gpus.yml", {"release_gpus_supervisor_programs": [program]}, limit="ct102")
+    assert again.rc == 0 and again.changed() == 0, again
+    assert len(task_lines(again.output)) <= 12
+    assert again.reports["ct102"]["changed"] is False and again.reports["ct102"]["stopped"] == []
+
+
 def test_check_mode_stops_and_signals_nothing(clean):
     lab = clean
     plain = lab.run("plain", 102, [0], 512)

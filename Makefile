@@ -9,7 +9,7 @@ COLL_LINK := $(SITE)/ansible_collections/gpuops/fleet
 WHEELS := .cache/wheels
 APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo openssl python3-venv shellcheck lxc lxcfs
 
-.PHONY: all venv system-packages test sanity unit lint integration demo bench gpu-facts clean lab-down
+.PHONY: all venv system-packages test sanity unit lint integration test-respawn demo bench gpu-facts clean lab-down
 
 all: test
 
@@ -41,6 +41,11 @@ lint: venv
 
 integration: venv
 	@$(VPY) tests/tools/run_all.py --only integration
+
+# The respawn tests, 20 rounds in a row (supervisord, a shell loop, a Python loop, a parent named torchrun).
+test-respawn: venv
+	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" GPUOPS_REPEAT=$${GPUOPS_REPEAT:-20} $(VPY) -m pytest -q -rfE -p no:cacheprovider \
+		tests/integration/test_gpu_release.py -k "respawn and not sibling"
 
 demo: venv
 	@$(VPY) tests/lab/demo.py

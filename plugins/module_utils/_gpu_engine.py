@@ -360,27 +360,18 @@ class Engine(object):
         return "not_holder"
 
     # -- the whole picture
-    def snapshot(self, targets):
-        """Report for the targeted GPU indexes (every field gpu_status returns).
-
-        NVML is read for every GPU, since where a holder's memory is decides
-        whether stopping it frees, or hits, a GPU that is not targeted.
-        """
-        self._minor_cache = {}
-        scan = self.scan()
-        own_tree = self.own_tree_skip()
-        minor_index = self.minor_to_index()
-        records = dict((pid, self.details(entry, minor_index)) for pid, entry in scan.entries.items())
+    def _nvml_views(self):
+        """NVML's processes and memory of every GPU (statuses are set once /proc is read)."""
         views = {}
         for gpu in self.gpus:
             index = gpu["index"]
             view = {"procs": None, "used_mib": None, "memory": None, "error": gpu.get("error"),
-                    "error_kind": gpu.get("error_kind")}
+                    "error_kind": gpu.get("error_kind"), "listed": ()}
             views[index] = view
             if gpu.get("error"):
                 continue
             try:
-                listed = self.nvml.processes(index)
+                view["listed"] = self.nvml.processes(index)
             except NvmlFailure as exc:
                 view.update(error="NVML could not list the GPU's processes: %s" % exc.message, error_kind=exc.kind)
                 continue
@@ -389,7 +380,40 @@ class Engine(object):
                 view.update(error=mem["error"], error_kind=mem["error_kind"])
             else:
                 view.update(memory=mem, used_mib=mem["used_mib"])
-            view["procs"] = [dict(p, status=self._nvml_status(p["pid"], records, own_tree)) for p in listed]
+            view["procs"] = []
+        return views
+
+    def _read_again(self, pids, records, minor_index):
+        """Read pids that contradict NVML once more: one caught between two steps of its set-up maps by now."""
+        cache = {}
+        again = procscan.scan_pids(self.proc_root, self.devices, [p for p in pids if p != self.self_pid])
+        for pid, entry in again.entries.items():
+            if not procscan.is_descendant(pid, self.self_pid, self.proc_root, cache):
+                records[pid] = self.details(entry, minor_index)
+
+    def snapshot(self, targets):
+        """Report for the targeted GPU indexes (every field gpu_status returns).
+
+        NVML is read for every GPU, since where a holder's memory is decides
+        whether stopping it frees, or hits, a GPU that is not targeted. NVML is
+        read before /proc: a pid NVML names has mapped its context by the time
+        /proc is read, so a process that starts in between is not taken for a
+        contradiction of NVML.
+        """
+        self._minor_cache = {}
+        views = self._nvml_views()
+        scan = self.scan()
+        own_tree = self.own_tree_skip()
+        minor_index = self.minor_to_index()
+        records = dict((pid, self.details(entry, minor_index)) for pid, entry in scan.entries.items())
+        named = sorted(set(p["pid"] for v in views.values() for p in v["listed"]))
+        contradicting = [pid for pid in named if self._nvml_status(pid, records, own_tree) == "not_holder"]
+        if contradicting:
+            self._read_again(contradicting, records, minor_index)
+        for view in views.values():
+            if view["procs"] is not None:
+                view["procs"] = [dict(p, status=self._nvml_status(p["pid"], records, own_tree)) for p in view["listed"]]
+            del view["listed"]
         untrusted = sorted(set(p["pid"] for v in views.values() for p in v["procs"] or () if p["status"] == "not_holder"))
         holders = [r for r in records.values() if r["holder"]]
         clients = [r for r in records.values() if not r["holder"] and r["pid"] not in own_tree]

@@ -269,10 +269,21 @@ class RootLockDir(object):
             os.close(fd)
             raise
 
-    def open_file(self, dir_fd, name):
+    def open_file(self, dir_fd, name, keep_owner=()):
+        """Open (create) name in the directory dir_fd, owned by this root's root.
+
+        A file whose (st_dev, st_ino) is in keep_owner (one the caller holds already: the node's own
+        lock file, reached through a container that shares the node's /run/lock) keeps its owner.
+        """
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
-        os.fchown(fd, self.uid, self.gid)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) not in keep_owner:
+                os.fchown(fd, self.uid, self.gid)
+        except BaseException:
+            os.close(fd)
+            raise
         return fd
 
 

@@ -466,6 +466,13 @@ def scan(proc_root="/proc", devices=None, skip_pids=(), workers=None):
     return result
 
 
+def scan_pids(proc_root, devices, pids):
+    """scan() of the given pids only."""
+    result = ScanResult()
+    _scan_pids(proc_root, devices, list(pids), result)
+    return result
+
+
 def _scan_pids(proc_root, devices, pids, result):
     marker = devices.marker
     for pid in pids:

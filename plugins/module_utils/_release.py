@@ -20,6 +20,7 @@ import time
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _respawn as respawn
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import matches
 
@@ -35,10 +36,10 @@ except Exception as _exc:
 RUNGS = ("none", "sigterm", "sigkill", "wait", "container_restart", "reset")
 POLL_S = 0.075
 GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wait for its memory
-RESPAWN_WINDOW_S = 3.0   # how long to watch a supervisor after its child was killed
+RESPAWN_WINDOW_S = 3.0   # how long to watch the parents of killed holders after the verdict
+RESPAWN_STARTING_S = 6.0  # longer while a new child of theirs is still starting (maps nothing yet)
 HEIR_ROUNDS = 3          # re-reads after the signals, for holders pinned only once their parent is dead
 HEIR_WAIT_S = 0.3        # memory of a reaped holder is back 0.12-0.2 s after SIGKILL (GPU_FACTS row 2)
-SUPERVISOR_RE = re.compile(r"(^|/)(supervisord|systemd|init|runsv|runsvdir|s6-supervise|monit|circusd|pm2|tini|dumb-init)\b")
 NVIDIA_SMI_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/local/nvidia/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
@@ -57,10 +58,6 @@ def find_nvidia_smi(path_env=None):
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None
-
-
-def is_supervisor(names, cmdline):
-    return any(SUPERVISOR_RE.search(n) for n in names) or bool(cmdline and SUPERVISOR_RE.search(cmdline.split(" ")[0]))
 
 
 COLLATERAL_CHOICES = ("refuse", "stop")
@@ -329,14 +326,22 @@ class GpuLocks(object):
 
     With `rooted` (a _node.RootLockDir), the directory is another root's (a container's, seen
     from the node), so that a node-side release and one inside that container exclude each other.
+
+    `held` ({(st_dev, st_ino): path}, shared by every GpuLocks of one release) names the files this
+    release has locked already. A lock file that is one of them (a container whose /run/lock is the
+    node's, two containers sharing one lock directory) is taken once: its second fd is closed, never
+    flocked, since flock on a second open file description of one file conflicts even in one process.
     """
 
-    def __init__(self, lock_dir=LOCK_DIR, rooted=None):
+    def __init__(self, lock_dir=LOCK_DIR, rooted=None, held=None):
         self.lock_dir = rooted.label if rooted is not None else lock_dir
         self.rooted = rooted
         self.dir_fd = None
         self.fds = []
         self.waited_s = 0.0
+        self.held = held if held is not None else {}
+        self.taken = []     # identities this object flocked (and put into held)
+        self.aliases = []   # (path, path of the file already held) skipped as the same file
 
     def path(self, key):
         return os.path.join(self.lock_dir, lock_name(key))
@@ -345,7 +350,7 @@ class GpuLocks(object):
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
         try:
             if self.rooted is not None:
-                return self.rooted.open_file(self.dir_fd, lock_name(key))
+                return self.rooted.open_file(self.dir_fd, lock_name(key), keep_owner=self.held)
             return os.open(self.path(key), flags, 0o600)
         except OSError as exc:
             if exc.errno == errno.ELOOP:
@@ -367,6 +372,17 @@ class GpuLocks(object):
         end = start + timeout
         for key in sorted(set(keys)):
             fd = self._open(key)
+            try:
+                st = os.fstat(fd)
+            except BaseException:
+                os.close(fd)
+                self.release()
+                raise
+            identity = (st.st_dev, st.st_ino)
+            if identity in self.held:  # this very file is locked by this release already (fstat of the open fd)
+                os.close(fd)
+                self.aliases.append((self.path(key), self.held[identity]))
+                continue
             self.fds.append(fd)
             while True:
                 try:
@@ -380,20 +396,25 @@ class GpuLocks(object):
                     raise LockTimeout("another gpu_release holds the lock on GPU %s (%s) for more than %gs"
                                       % (key, self.path(key), timeout))
                 time.sleep(0.05)
+            self.held[identity] = self.path(key)
+            self.taken.append(identity)
         self.waited_s = clock() - start
 
     def release(self):
+        for identity in self.taken:
+            self.held.pop(identity, None)
         for fd in self.fds + ([self.dir_fd] if self.dir_fd is not None else []):
             try:
                 os.close(fd)
             except OSError:
                 pass
-        self.fds, self.dir_fd = [], None
+        self.fds, self.dir_fd, self.taken = [], None, []
 
 
 class _ContainerLocks(object):
     """The node's GPU locks, then each scoped container's own (through its init's root), so that a
-    node-side release never races one running inside that container."""
+    node-side release never races one running inside that container. A container's lock file that is
+    a file already held (the node's, or another scoped container's) is taken once (GpuLocks `held`)."""
 
     def __init__(self, node_locks, proc_root, scope, keys, timeout):
         self.all = [node_locks]
@@ -406,7 +427,7 @@ class _ContainerLocks(object):
                     continue  # not running: nothing in it can release
                 uid, gid = node.owner_of(init, proc_root)
                 rooted = node.RootLockDir("%s/%d/root" % (proc_root, init), LOCK_DIR.strip("/").split("/"), uid, gid)
-                locks = GpuLocks(rooted=rooted)
+                locks = GpuLocks(rooted=rooted, held=node_locks.held)
                 self.all.append(locks)
                 locks.acquire(keys, max(0.0, timeout - (self.waited_s - node_locks.waited_s)))
                 self.waited_s += locks.waited_s
@@ -480,6 +501,7 @@ class Releaser(object):
         self.jobs = {}
         self.failure = None      # message when the task must fail
         self.respawned = None
+        self.watch = None        # respawn.RespawnWatch, from the first signal on
         self.reset_done = False
 
     # -- helpers
@@ -525,12 +547,16 @@ class Releaser(object):
             if outcome == "sent":
                 sent = True
                 self.signalled[record["pid"]] = record
+                if self.watch is not None:
+                    self.watch.add(record)
         return sent
 
     def _wait(self, seconds, watched, during):
         """Poll until the targets are free, the watched processes are gone, or time is up."""
         end = self._until(seconds)
         while True:
+            if self._respawn_seen():
+                return "respawn"
             if self._memory_free():
                 return "free"
             if not [r for r in watched if alive(r, self.proc_root)]:
@@ -541,91 +567,49 @@ class Releaser(object):
             time.sleep(self.poll_s)
 
     # -- respawn
-    def _supervisors(self):
-        """Live parents of killed holders that look like supervisors (or are the killed ones' common parent)."""
-        parents = {}
-        killed = set(self.signalled)
-        for record in self.signalled.values():
-            ppid = record["ppid"]
-            if not ppid or ppid in killed or ppid in parents:
-                continue
-            stat = procscan.read_stat(ppid, self.proc_root)
-            if stat is None:
-                continue
-            argv = []
+    def _nvml_named_on_targets(self):
+        named = set()
+        for index in self.targets:
             try:
-                argv = [a.decode("utf-8", "replace") for a in
-                        procscan.read_bytes("%s/%d/cmdline" % (self.proc_root, ppid)).split(b"\0") if a]
-            except OSError:
-                pass
-            supervisor = is_supervisor([stat["comm"]], " ".join(argv))
-            if ppid == 1 and supervisor:
-                # init reaps orphans too: count it as a supervisor only for its services
-                supervisor = str(record.get("cgroup") or "").endswith(".service")
-            parents[ppid] = {"pid": ppid, "name": stat["comm"], "starttime": stat["starttime"],
-                             "supervisor": supervisor}
-        return parents
+                named.update(p["pid"] for p in self.engine.nvml.processes(index))
+            except Exception:  # pylint: disable=broad-except
+                continue  # the verdict reads NVML again; the watch goes on with the maps alone
+        return named
 
-    def _new_holders(self, report, parents):
-        """Holders of targeted GPUs that did not exist before and share a parent with a killed holder."""
-        known = set(self._known_pids)
-        found = []
-        for record in report.holders:
-            if record["pid"] in known:
-                continue
-            maps_target = not record["maps_gpus"] or set(self.targets) & set(record["maps_gpus"])
-            if not (set(self.targets).intersection(record["gpus"]) or (record["unattributed"] and maps_target)):
-                continue
-            if record["ppid"] in parents:
-                found.append((record, parents[record["ppid"]]))
-        return found
-
-    def _new_children(self, parents, since_ticks):
-        """Processes started after the kill under one of the parents (a respawn in progress)."""
-        found = []
-        for name in os.listdir(self.proc_root):
-            if not name.isdigit():
-                continue
-            stat = procscan.read_stat(int(name), self.proc_root)
-            if stat is None or stat["ppid"] not in parents or stat["starttime"] < since_ticks:
-                continue
-            if int(name) in self._known_pids:
-                continue
-            names = set(r["name"] for r in self.signalled.values() if r["ppid"] == stat["ppid"])
-            if stat["comm"] in names:
-                found.append((stat, parents[stat["ppid"]]))
-        return found
-
-    def _respawn_message(self, parent, child_pid):
-        return ("respawned by pid %d (%s): stop the service first (new holder pid %d appeared under the same "
-                "parent after the kill)" % (parent["pid"], parent["name"], child_pid))
-
-    def _check_respawn(self, watch_s=0.0):
-        """Fail if new holders appear under the parent of a killed holder; watch supervisors for watch_s."""
-        parents = self._supervisors()
-        if not parents or (watch_s > 0 and not [p for p in parents.values() if p["supervisor"]]):
-            return False  # after a verified release only a supervisor is watched (a scan costs time)
-        report = self.engine.snapshot(self.targets)
-        hits = self._new_holders(report, parents)
-        if hits:
-            record, parent = hits[0]
-            self.respawned = {"pid": record["pid"], "parent_pid": parent["pid"], "parent_name": parent["name"]}
-            self.failure = self._respawn_message(parent, record["pid"])
-            return True
-        watched = dict((p, v) for p, v in parents.items() if v["supervisor"])
-        if not watched or watch_s <= 0:
+    def _respawn_seen(self):
+        """True once a process started under a killed holder's parent maps (or NVML names it on) a targeted GPU."""
+        if self.watch is None:
             return False
-        end = self._until(watch_s)
-        since = self._kill_ticks
-        while self.now() < end:
-            hits = self._new_children(watched, since)
-            if hits:
-                stat, parent = hits[0]
-                self.respawned = {"pid": stat["pid"], "parent_pid": parent["pid"], "parent_name": parent["name"]}
-                self.failure = self._respawn_message(parent, stat["pid"])
+        if self.respawned is not None:
+            return True
+        found = self.watch.poll(self._nvml_named_on_targets)
+        if found is None:
+            return False
+        self.respawned = found
+        self.failure = respawn.respawn_message(found)
+        self.log("gpuops.fleet.gpu_release: %s" % self.failure)
+        return True
+
+    def _watch_after_verdict(self):
+        """After "free": watch the parents for the respawn window, longer while a new child of theirs is starting."""
+        if self.watch is None or not self.watch.live_parents():
+            return False
+        end, starting_end = self._until(RESPAWN_WINDOW_S), self._until(RESPAWN_STARTING_S)
+        while True:
+            if self._respawn_seen():
                 return True
-            time.sleep(self.poll_s * 2)
-        return False
+            now = self.now()
+            if now >= starting_end or (now >= end and not self.watch.pending) or not self.watch.live_parents():
+                return False
+            time.sleep(self.poll_s)
+
+    def _after_respawn(self):
+        """A respawn fails the task; from the node, a planned container restart may still free the GPUs."""
+        if self.restart_plan:
+            self.watch = None   # a restart ends the parents too
+            self._restart_containers(self.failure)
+            if not self.failure:
+                self._verify_wait(self.verify_timeout, [])
 
     # -- the ladder
     def _decide(self, report):
@@ -726,6 +710,8 @@ class Releaser(object):
         self._set_rung("sigterm")
         self._signal(records, signal.SIGTERM, "SIGTERM")
         outcome = self._wait(self.term_timeout, watched, "SIGTERM")
+        if outcome == "respawn":
+            return outcome
         survivors = [r for r in records if alive(r, self.proc_root)]
         if outcome != "free" and survivors:
             survivors = self._still_holding(survivors)
@@ -762,43 +748,49 @@ class Releaser(object):
         return fresh
 
     def run(self, report):
-        """Climb the ladder from report (the state after the locks were taken)."""
+        """Climb the ladder from report (the state after the locks were taken).
+
+        From the first signal to the verdict, and for the respawn window after it, the parents of the
+        killed holders are watched: a respawn fails the task, naming the parent and its chain.
+        """
         self._kill_ticks = _now_ticks(self.proc_root)
+        targets = [self.engine.gpu(i) or {} for i in self.targets]
+        self.watch = respawn.RespawnWatch(self.proc_root, self.engine.devices, [g.get("minor") for g in targets],
+                                          self._kill_ticks, self._known_pids)
         watched = list(self.to_signal)
         outcome = "gone"
         if self.to_signal:
             outcome = self._escalate(list(self.to_signal), watched)
         for dummy in range(HEIR_ROUNDS):
-            if outcome == "free" or not self.signalled:
+            if outcome in ("free", "respawn") or not self.signalled:
                 break
             # time for the memory of the dead to come back, then look for heirs
-            if self._verify_wait(HEIR_WAIT_S, watched, grace_s=HEIR_WAIT_S) == "free":
-                outcome = "free"
+            outcome = self._verify_wait(HEIR_WAIT_S, watched, grace_s=HEIR_WAIT_S)
+            if outcome in ("free", "respawn"):
                 break
             heirs = self._heirs()
             if not heirs:
                 break
             watched.extend(heirs)
             outcome = self._escalate(heirs, watched)
+        if outcome == "respawn":
+            self._after_respawn()
+            return
         if self.failure:
             return
         if outcome == "free":
-            self._check_respawn(RESPAWN_WINDOW_S)
-            return
-        if self.signalled and self._check_respawn(0.0):
-            if self.restart_plan:
-                self._restart_containers(self.failure)
-                if not self.failure:
-                    self._verify_wait(self.verify_timeout, [])
+            self._watch_after_verdict()
             return
         # D-state threads, or memory held by something not signalled: wait up to verify_timeout
         survivors = [r for r in watched if alive(r, self.proc_root)]
         if survivors:
             self._set_rung("wait")
         outcome = self._verify_wait(self.verify_timeout, watched)
+        if outcome == "respawn":
+            self._after_respawn()
+            return
         if outcome == "free":
-            if self.signalled:
-                self._check_respawn(RESPAWN_WINDOW_S)
+            self._watch_after_verdict()
             return
         if self.restart_plan:
             self._restart_containers("SIGKILL left the targeted memory held")
@@ -815,6 +807,8 @@ class Releaser(object):
         end = self._until(seconds)
         gone_since = None
         while True:
+            if self._respawn_seen():
+                return "respawn"
             if self._memory_free():
                 return "free"
             now = self.now()

@@ -38,9 +38,13 @@ description:
     or anything listed in O(protect)."
   - Each signal is guarded against pid reuse (a pidfd and a start-time check, or psutil's create-time check), is
     recorded in RV(actions) and written to the target's log.
-  - "If new holders appear after a kill under the same parent or supervisor, the task fails with the message
-    'respawned by pid X (name): stop the service first'. Stopping services is the job of the
-    C(gpuops.fleet.release_gpus) role."
+  - "Respawn by parentage: from the first signal to the verdict, and for 3 seconds after a verified release (up to
+    6 while a new child is still starting), the live parents of the killed holders are watched, whatever their name
+    (a supervisor, a shell loop, C(torchrun)). A process that starts under one of them after the kill and maps a
+    targeted GPU, or that NVML names on one, fails the task with 'respawned by pid X (name): stop the service
+    first', the parent's chain and what to stop (RV(respawned)). It is never signalled. An init (pid 1 of its
+    namespace) is watched only for the holders of a systemd service, and only for new processes of that service.
+    Stopping services is the job of the C(gpuops.fleet.release_gpus) role."
 author:
   - gpuops (@gpuops)
 extends_documentation_fragment:
@@ -440,10 +444,17 @@ restart_plan:
   sample: [{"vmid": 101, "gpus": [0], "untargeted_gpus": [], "backend": "pct", "refusal": null,
             "processes": [{"pid": 4021, "container_pid": 1, "name": "init"}, {"pid": 4388, "container_pid": 77, "name": "gpu_worker"}]}]
 respawned:
-  description: The new holder and its parent when a respawn was detected; null otherwise.
+  description:
+    - The respawn that failed the task, null otherwise. C(pid) and C(name) are the new holder's (never signalled);
+      C(parent_pid) and C(parent_name) the killed holder's parent that started it; C(chain) that parent and its
+      ancestors up to pid 1 (C(pid), C(name)); C(unit) the systemd service when the parent is an init;
+      C(how_to_stop) what to stop before releasing again.
   returned: always
   type: dict
-  sample: {"pid": 702, "parent_pid": 35, "parent_name": "supervisord"}
+  sample: {"pid": 702, "name": "python3", "parent_pid": 35, "parent_name": "sh", "unit": null,
+           "chain": [{"pid": 35, "name": "sh"}, {"pid": 12, "name": "bash"}, {"pid": 1, "name": "init"}],
+           "how_to_stop": "stop pid 35 (sh) or what runs it first (a shell loop, a launcher such as torchrun, a
+             supervisor), then release again"}
 """
 
 import signal

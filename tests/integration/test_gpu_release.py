@@ -15,6 +15,7 @@ from _enginelab import EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab
 
 FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
+REPEAT = range(int(os.environ.get("GPUOPS_REPEAT", "1")))   # make test-respawn: 20 rounds in a row
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKLOAD = os.path.join(REPO, "tests", "lab", "workloads", "workload.py")
 LAB_PYTHON = os.path.join(REPO, ".lab", "venv", "bin", "python")
@@ -147,14 +148,16 @@ def test_leaked_memory_needs_a_reset(clean):
     assert [a["outcome"][:4] for a in play["actions"] if a["signal"] == "reset"] == ["done"]
 
 
-def test_respawn_is_detected(clean):
+@pytest.mark.parametrize("round_", REPEAT)
+def test_respawn_is_detected(clean, round_):
     lab = clean
     run = lab.run("respawn", 102, [1])                   # supervisord program on minor 5
     play = lab.play("ct102", "gpu_release", dict(FAST, gpus=[1]))
     assert play.failed
     sup = run["container_roles"]["supervisord"]
     assert play["msg"].startswith("respawned by pid %d (supervisord): stop the service first" % sup)
-    assert play["respawned"]["parent_pid"] == sup
+    assert play["respawned"]["parent_pid"] == sup and play["respawned"]["chain"][0]["pid"] == sup
+    assert "supervisorctl stop" in play["msg"]
     assert run["container_roles"]["holder"] in signalled_pids(play)
 
 
@@ -172,7 +175,7 @@ def test_long_running_sibling_of_the_same_name_is_no_respawn(clean):
             wrote = lab.exec(102, "sh", "-c", "cat > /run/supervisor/conf.d/%s.conf <<'EOF'\n%sEOF\n"
                              "supervisorctl update" % (name, conf))
             assert wrote.returncode == 0, wrote.stdout
-            time.sleep(1.5)
+            assert wait_until(lambda: "RUNNING" in lab.exec(102, "supervisorctl", "status", name).stdout, timeout=20)
         assert wait_until(lambda: lab.used(5) == 512, timeout=20)
         sibling = lab.exec(102, "supervisorctl", "pid", "gpuops-sibling").stdout.strip()
         assert sibling.isdigit()
@@ -313,27 +316,49 @@ def test_a_really_reused_pid_is_never_signalled(clean):
     assert alive == "True" and outcome == "not sent: pid %s was reused by another process" % first
 
 
-def test_respawn_by_a_parent_loop_is_detected(clean):
-    """A shell loop restarts the holder as soon as it dies: the task fails naming the loop, not 'verified free'."""
-    from _enginelab import REPO
+PARENT_LOOP = "import subprocess, sys, time\nwhile True:\n    subprocess.call(sys.argv[2:])\n    time.sleep(0.1)\n"
+# how each kind of parent restarts the holder as soon as it dies (a loop, whatever its name)
+RESPAWNING_PARENTS = {
+    "shell_loop": "setsid sh -c 'while :; do {python} {workload} plain --minors 3 --mib 256 --foreground; sleep 0.1; "
+                  "done # {marker}' </dev/null >/dev/null 2>&1 &",
+    "python_loop": "setsid {python} /tmp/{marker}.py {marker} {python} {workload} plain --minors 3 --mib 256 "
+                   "--foreground </dev/null >/dev/null 2>&1 &",
+    "torchrun": "mkdir -p /tmp/{marker} && (echo '#!{python}'; cat /tmp/{marker}.py) > /tmp/{marker}/torchrun && "
+                "chmod +x /tmp/{marker}/torchrun && setsid /tmp/{marker}/torchrun {marker} {python} {workload} plain "
+                "--minors 3 --mib 256 --foreground </dev/null >/dev/null 2>&1 &",
+}
+
+
+@pytest.mark.parametrize("round_", REPEAT)
+@pytest.mark.parametrize("kind", sorted(RESPAWNING_PARENTS))
+def test_respawn_by_a_parent_loop_is_detected(clean, kind, round_):
+    """A parent restarts the holder as soon as it dies, whatever its name: the task fails naming that parent
+    and its chain (never "verified free"), and the new holder is not signalled."""
     lab = clean
-    python = os.path.join(REPO, ".lab", "venv", "bin", "python")
-    workload = os.path.join(REPO, "tests", "lab", "workloads", "workload.py")
-    loop = ("while :; do %s %s plain --minors 3 --mib 256 --foreground; sleep 0.1; done # gpuops-respawn-loop"
-            % (python, workload))
-    started = lab.exec(101, "sh", "-c", "setsid sh -c '%s' </dev/null >/dev/null 2>&1 &" % loop)
+    marker = "gpuops-respawn-%s" % kind.replace("_", "-")
+    command = RESPAWNING_PARENTS[kind].format(python=LAB_PYTHON, workload=WORKLOAD, marker=marker)
+    script = "cat > /tmp/%s.py <<'EOF'\n%sEOF\n%s" % (marker, PARENT_LOOP, command)
+    started = lab.exec(101, "sh", "-c", script)
     assert started.returncode == 0, started.stdout
     try:
-        deadline = time.monotonic() + 20
-        while lab.used(3) != 256 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert lab.used(3) == 256
+        assert wait_until(lambda: lab.used(3) == 256, timeout=20), lab.truth()[3]
+        found = lab.exec(101, "pgrep", "-o", "-f", marker).stdout.split()
+        assert found, "the respawning parent is not running"
+        parent = int(found[0])
+        comm = lab.exec(101, "cat", "/proc/%d/comm" % parent).stdout.strip()
+        assert comm == {"shell_loop": "sh", "torchrun": "torchrun"}.get(kind, comm)
         play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[3]))
         assert play.failed and play["changed"] is True, play
-        assert play["msg"].startswith("respawned by pid %d (sh): stop the service first" % play["respawned"]["parent_pid"])
-        assert signalled_pids(play) and play["respawned"]["pid"] not in signalled_pids(play)
+        assert play["msg"].startswith("respawned by pid %d (%s): stop the service first" % (parent, comm)), play["msg"]
+        assert "stop pid %d (%s) or what runs it first" % (parent, comm) in play["msg"]
+        respawned = play["respawned"]
+        assert (respawned["parent_pid"], respawned["parent_name"]) == (parent, comm)
+        assert respawned["chain"][0] == {"pid": parent, "name": comm} and respawned["chain"][-1]["pid"] == 1
+        assert signalled_pids(play) and respawned["pid"] not in signalled_pids(play)
+        # the new holder is what the verdict named: it holds GPU 3 again
+        assert wait_until(lambda: lab.used(3) == 256, timeout=20)
     finally:
-        lab.exec(101, "pkill", "-9", "-f", "gpuops-respawn-loop")
+        lab.exec(101, "pkill", "-9", "-f", marker)
         lab.exec(101, "pkill", "-9", "-f", "workload.py plain --minors 3 ")
 
 

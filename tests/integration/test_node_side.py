@@ -1,17 +1,20 @@
 """Issue 11: gpu_status and gpu_release on a Proxmox node (the lab node pve1, over plain ssh).
 
-Two containers share GPU 0 (minor 0); 101 also sees minor 1; 102 is unprivileged. The truth is
-`labctl gpus` and the host's /proc, never only the module's word.
+Two containers share GPU 0 (minor 0); 101 also sees minor 1; 102 is unprivileged. 103 (issue 17) has
+minor 2 to itself and bind-mounts the node's /run/lock (`--shared-run-lock`): its lock files are the
+node's. The truth is `labctl gpus` and the host's /proc, never only the module's word.
 """
 import json
 import os
-import time
 
 from _enginelab import EngineLab, host_alive
-from _labfixture import clean_engine_lab, module_lab
+from _labfixture import clean_engine_lab, module_lab, wait_until
 
-lab = module_lab(lambda: EngineLab("node11", ["--nodes", "1", "--containers", "2", "--gpus", "2",
-                                              "--layout", "101=0,1", "--layout", "102=0", "--unprivileged", "102"]))
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import lock_name
+
+lab = module_lab(lambda: EngineLab("node11", ["--nodes", "1", "--containers", "3", "--gpus", "3",
+                                              "--layout", "101=0,1", "--layout", "102=0", "--unprivileged", "102",
+                                              "--layout", "103=2", "--shared-run-lock", "103"]))
 clean = clean_engine_lab()
 FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
 
@@ -26,6 +29,28 @@ def signalled(play):
 
 def node_pid(run):
     return run["node_holders"][0]
+
+
+def _identity(path):
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _flocked(path):
+    """True while someone holds a flock on the file at path (read from /proc/locks, waiters left out)."""
+    try:
+        dev, ino = _identity(path)
+    except FileNotFoundError:
+        return False
+    with open("/proc/locks") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) < 6 or fields[1] != "FLOCK" or fields[3] != "WRITE":
+                continue
+            major, minor, inode = fields[5].split(":")
+            if os.makedev(int(major, 16), int(minor, 16)) == dev and int(inode) == ino:
+                return True
+    return False
 
 
 def test_node_status_shows_every_containers_holders_with_vmid_and_container_pid(clean):
@@ -72,15 +97,13 @@ def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):
 
 def test_a_release_inside_the_container_waits_for_the_node_side_lock(clean):
     clean.run("term_ignoring", 101, [0])
-    finish = clean.play("pve1", "gpu_release", dict(gpus=["0"], containers=[101], term_timeout=4, kill_timeout=2),
+    # the holder ignores SIGTERM: the node-side release holds the lock for term_timeout, time enough for the
+    # in-container play to start (about 4 s of ansible start-up on a loaded 2-core machine)
+    finish = clean.play("pve1", "gpu_release", dict(gpus=["0"], containers=[101], term_timeout=8, kill_timeout=2),
                         background=True)
     init = json.loads(clean.labctl("status", parse=False))["nodes"]["pve1"]["containers"]["101"]["init_host_pid"]
-    lock_dir = "/proc/%d/root/run/lock/gpuops-fleet" % init
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline and not (os.path.isdir(lock_dir) and os.listdir(lock_dir)):
-        time.sleep(0.1)
-    assert os.listdir(lock_dir), "the node-side release never took the container's lock"
-    time.sleep(0.5)
+    lock_file = "/proc/%d/root/run/lock/gpuops-fleet/%s" % (init, lock_name(clean.truth()[0]["uuid"]))
+    assert wait_until(lambda: _flocked(lock_file), timeout=60), "the node-side release never took the container's lock"
     inside = clean.play("ct101", "gpu_release", dict(FAST, gpus=["0"]))
     node_play = finish()
     assert not node_play.failed and signalled(node_play), node_play
@@ -171,3 +194,40 @@ def test_container_rung_through_the_proxmox_api_waits_for_both_tasks(clean):
     assert credentials["token_secret"] not in play.output
     assert not host_alive(run["roles"]["launcher"]) and clean.used(0) == 0
     clean.wait_supervisord(101)
+
+
+# ---- issue 17: a container whose /run/lock is the node's (lxc.mount.entry of /run/lock)
+
+def _shared_lock_paths(clean, minor):
+    """(the node's lock file of GPU minor, the container 103's), after checking that 103 shares the node's /run/lock."""
+    nodes = json.loads(clean.labctl("status", parse=False))["nodes"]["pve1"]
+    node_root = "/proc/%d/root" % nodes["sshd_pid"]   # the node's unshare: in the node's mount namespace
+    ct_root = "/proc/%d/root" % nodes["containers"]["103"]["init_host_pid"]
+    assert _identity(node_root + "/run/lock") == _identity(ct_root + "/run/lock"), "103 does not share /run/lock"
+    name = "run/lock/gpuops-fleet/" + lock_name(clean.truth()[minor]["uuid"])
+    return node_root + "/" + name, ct_root + "/" + name
+
+
+def test_node_release_on_a_container_sharing_the_nodes_run_lock_takes_that_lock_once(clean):
+    node_file, ct_file = _shared_lock_paths(clean, 2)
+    run = clean.run("plain", 103, [0], mib=600)
+    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["2"], containers=[103], lock_timeout=10))
+    assert not play.failed, play
+    assert play["lock_wait_s"] < 1.0, play
+    assert signalled(play) == [node_pid(run)] and not host_alive(run["holders"][0]) and clean.used(2) == 0
+    # one file, named by the node's path and by the container's: taken once, released
+    assert _identity(node_file) == _identity(ct_file) and not _flocked(node_file)
+
+
+def test_a_release_inside_a_container_sharing_the_nodes_run_lock_waits_for_the_node_side_one(clean):
+    dummy, ct_file = _shared_lock_paths(clean, 2)
+    run = clean.run("term_ignoring", 103, [0])
+    args = dict(gpus=["2"], containers=[103], term_timeout=8, kill_timeout=2, lock_timeout=10)
+    finish = clean.play("pve1", "gpu_release", args, background=True)
+    assert wait_until(lambda: _flocked(ct_file), timeout=60), "the node-side release never took the lock"
+    inside = clean.play("ct103", "gpu_release", dict(FAST, gpus=["0"]))
+    node_play = finish()
+    assert not node_play.failed and signalled(node_play) == [node_pid(run)], node_play
+    assert node_play["lock_wait_s"] < 1.0, node_play
+    assert not inside.failed and inside["lock_wait_s"] > 0.5, inside
+    assert inside["changed"] is False and clean.used(2) == 0

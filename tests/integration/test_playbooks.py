@@ -1,5 +1,7 @@
 """playbooks/gpu_status.yml, predeploy_check.yml and release_gpus.yml (throttle, serial,
 max_fail_percentage) against the lab, through gpuops.fleet.pct. Truth from `labctl gpus` and /proc."""
+import collections
+import contextlib
 import json
 import os
 import re
@@ -7,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import yaml
 
 from _labfixture import clean_role_lab, module_lab
 from _rolelab import REPO, RoleLab, alive, wave_includes
@@ -14,6 +17,7 @@ from _rolelab import REPO, RoleLab, alive, wave_includes
 LAB_ID = os.environ.get("PLAYBOOK_TEST_LAB_ID", "playtest")
 
 
+CONTAINERS = ["ct101", "ct102", "ct103", "ct201", "ct202", "ct203"]
 lab = module_lab(lambda: RoleLab(LAB_ID))
 clean = clean_role_lab()
 
@@ -60,7 +64,8 @@ def test_predeploy_check_fails_naming_the_busy_container_and_gpu(clean):
 def test_predeploy_check_passes_on_free_gpus(clean):
     result = clean.playbook("predeploy_check.yml")
     assert result.rc == 0, result
-    assert result.failed_hosts() == [] and len(result.recap) == 6, result
+    # 6 containers, and localhost for the first play (what the check has to check)
+    assert result.failed_hosts() == [] and sorted(result.recap) == CONTAINERS + ["localhost"], result
     assert predeploy_lines(result.output) == ["PREDEPLOY OK: every targeted GPU is free on 6 containers"], result
 
 
@@ -107,13 +112,252 @@ def test_predeploy_readme_deploy_script_deploys_only_on_free_gpus(clean, busy):
                           universal_newlines=True, timeout=300, check=False)
     lines = proc.stdout.splitlines()
     if busy:
-        assert proc.returncode == 1 and "not deploying: GPUs busy" in proc.stderr, proc
+        assert proc.returncode == 1 and "not deploying: GPUs busy, or nothing (or too little) checked" in proc.stderr, proc
         assert lines[0] == "PREDEPLOY FAIL: GPUs at fault: 1" and lines[1].startswith(
             "PREDEPLOY FAULT ct201: GPU 1 (%s): 512 MiB used" % uuid_of(lab, 201, 1)), proc
         assert "DEPLOYED" not in lines, proc
     else:
         assert proc.returncode == 0, proc
         assert lines == ["PREDEPLOY OK: every targeted GPU is free on 6 containers", "DEPLOYED"], proc
+
+
+# ---- predeploy_check.yml never passes when it checked nothing, or too little (issue 17) ---------------------
+
+# What the playbook's header, the README and its deploy script tell a user to set. "bare" is a user who did not.
+TOLD = {"ANSIBLE_INVENTORY_UNPARSED_FAILED": "true", "ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED": "true"}
+CHECK_PLAY = "PLAY [Check that the GPUs are free before a deploy]"
+Run = collections.namedtuple("Run", "rc output")
+
+
+def predeploy(inventories, told, extra_vars=(), limit=None, env=None):
+    """A real ansible-playbook run of predeploy_check.yml, with or without what users are told to set."""
+    env = dict(env or os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0")
+    for name in TOLD:
+        env.pop(name, None)
+    if told:
+        env.update(TOLD)
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ansible-playbook")]
+    for inventory in inventories:
+        cmd += ["-i", str(inventory)]
+    cmd.append(os.path.join(REPO, "playbooks", "predeploy_check.yml"))
+    for extra in extra_vars:   # "key=value" (strings, as a shell script passes them) or JSON
+        cmd += ["-e", extra]
+    if limit:
+        cmd += ["--limit", limit]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True, timeout=300, check=False)
+    return Run(proc.returncode, proc.stdout)
+
+
+def one_line(text):
+    return " ".join(text.split())
+
+
+def static_inventory(tmp_path, groups=None, name="static.yml"):
+    """A tiny inventory whose hosts nothing may contact: any connection is refused (port 9), so a run
+    that reached them would exit 4, never 2."""
+    groups = groups or {"gpu_containers": ["ct101", "ct102"], "other": ["x1"]}
+    unreachable = {"ansible_connection": "ssh", "ansible_host": "127.0.0.1", "ansible_port": 9}
+    inv = {"all": {"children": {group: {"hosts": {h: dict(unreachable) for h in hosts}}
+                                for group, hosts in groups.items()}}}
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(inv))
+    return str(path)
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["bare", "told"])
+def test_predeploy_check_fails_when_predeploy_hosts_matches_no_host(tmp_path, told):
+    inv = static_inventory(tmp_path)
+    # a typo in the group
+    run = predeploy([inv], told, ["predeploy_hosts=gpu_containerz"])
+    assert run.rc == 2, run.output
+    assert predeploy_lines(run.output) == [
+        "PREDEPLOY FAIL: predeploy_hosts 'gpu_containerz' matches no host: none of the inventory's 3 hosts is in it"
+        " (groups: gpu_containers, other)"], run.output
+    assert CHECK_PLAY not in run.output and "UNREACHABLE" not in run.output, run.output
+    # an inventory without the default group
+    run = predeploy([static_inventory(tmp_path, {"workers": ["w1"]}, "workers.yml")], told)
+    assert run.rc == 2, run.output
+    assert predeploy_lines(run.output) == [
+        "PREDEPLOY FAIL: predeploy_hosts 'gpu_containers' matches no host: none of the inventory's 1 hosts is in it"
+        " (groups: workers)"], run.output
+    # a limit that names localhost runs the first play, which counts within the limit
+    run = predeploy([inv], told, limit="x1,localhost")
+    assert run.rc == 2 and CHECK_PLAY not in run.output, run.output
+    assert predeploy_lines(run.output) == [
+        "PREDEPLOY FAIL: predeploy_hosts 'gpu_containers' matches no host: none of its 2 hosts (ct101, ct102)"
+        " is in --limit 'x1,localhost'"], run.output
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["bare", "told"])
+def test_predeploy_check_fails_on_an_inventory_path_that_does_not_exist(tmp_path, told):
+    missing = str(tmp_path / "pve.proxmox_gpu.yml")
+    good = static_inventory(tmp_path)
+    for inventories in ([missing], [good, missing]):
+        run = predeploy(inventories, told)
+        assert CHECK_PLAY not in run.output and "UNREACHABLE" not in run.output, run.output
+        if told:   # ansible-core stops before any play
+            assert run.rc == 1, run.output
+            assert "[ERROR]: Completely failed to parse inventory source %s" % missing in run.output, run.output
+            assert predeploy_lines(run.output) == [], run.output
+            continue
+        assert run.rc == 2, run.output
+        lines = predeploy_lines(run.output)
+        assert lines[0] == "PREDEPLOY FAIL: inventory source %s does not exist" % missing, run.output
+        if len(inventories) == 1:
+            assert lines[1:] == [
+                "PREDEPLOY FAIL: predeploy_hosts 'gpu_containers' matches no host: the inventory has none (sources: %s;"
+                " a source that failed to parse, or a Proxmox API token without VM.Audit, lists none: see the warnings"
+                " above)" % missing], run.output
+        else:   # the good source alone would have checked ct101 and ct102
+            assert lines[1:] == [
+                "PREDEPLOY FAIL: inventory sources %s, %s: with more than one source, or a directory, one that fails"
+                " to parse is only a warning unless ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED=true; set it"
+                % (good, missing)], run.output
+
+
+def test_predeploy_check_refuses_a_bad_predeploy_expect_hosts(tmp_path):
+    inv = static_inventory(tmp_path)
+    for extra, shown in (("predeploy_expect_hosts=abc", "abc"), ("predeploy_expect_hosts=0", "0"),
+                         ("predeploy_expect_hosts=-1", "-1"), ("predeploy_expect_hosts=", ""),
+                         ("predeploy_expect_hosts=7.0", "7.0"), ('{"predeploy_expect_hosts": true}', "True"),
+                         ('{"predeploy_expect_hosts": 2.5}', "2.5")):
+        run = predeploy([inv], True, [extra])
+        assert run.rc == 2, (extra, run.output)
+        assert ("predeploy_expect_hosts must be a positive integer (the number of containers the check must read at"
+                " least), got '%s'" % shown) in one_line(run.output), (extra, run.output)
+        # it fails before anything is read: no host is contacted (that would be UNREACHABLE, exit 4)
+        assert "TASK [Read the GPUs]" not in run.output and "UNREACHABLE" not in run.output, (extra, run.output)
+
+
+def api_inventory_variant(lab, tmp_path, name, secret=None, **changes):
+    """A copy of the lab's gpuops.fleet.proxmox_gpu inventory with some options changed; secret: the token
+    secret read from that file of the lab API's state (STATE/api/SECRET)."""
+    api_inventory = lab.labctl("inventory", "--api", parse=False)
+    with open(api_inventory) as handle:
+        conf = yaml.safe_load(handle)
+    conf.update(changes)
+    if secret:
+        with open(os.path.join(os.path.dirname(api_inventory), "api", secret)) as handle:
+            conf["token_secret"] = handle.read().strip()
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(conf))
+    return str(path)
+
+
+@pytest.mark.parametrize("told", [False, True], ids=["bare", "told"])
+def test_predeploy_check_fails_when_the_proxmox_api_call_fails(lab, tmp_path, told):
+    """The lab's Proxmox API refuses a wrong token: alone, and beside a static inventory of the same containers."""
+    bad = api_inventory_variant(lab, tmp_path, "bad.proxmox_gpu.yml", token_secret="0" * 32)
+    refused = "proxmox_gpu: authentication failed for root@pam"
+    alone = ("PREDEPLOY FAIL: predeploy_hosts 'gpu_containers' matches no host: the inventory has none (sources: %s;"
+             " a source that failed to parse, or a Proxmox API token without VM.Audit, lists none: see the warnings"
+             " above)" % bad)
+    # one failing source among several: the static one alone would check (and pass) 6 free containers
+    several = ("PREDEPLOY FAIL: inventory sources %s, %s: with more than one source, or a directory, one that fails"
+               " to parse is only a warning unless ANSIBLE_INVENTORY_ANY_UNPARSED_IS_FAILED=true; set it"
+               % (lab.inventory, bad))
+    for sources, line in (([bad], alone), ([lab.inventory, bad], several)):
+        run = predeploy(sources, told, env=lab.env)
+        assert run.rc == (1 if told else 2), run.output
+        assert refused in one_line(run.output) and CHECK_PLAY not in run.output, run.output
+        if told:
+            assert "[ERROR]: Completely failed to parse inventory source %s" % bad in run.output, run.output
+        else:
+            assert predeploy_lines(run.output) == [line], run.output
+
+
+def test_predeploy_check_fails_on_a_token_without_vm_audit(lab, tmp_path):
+    """The API answers, lists no guest: ansible-core parsed it, so only the check itself can refuse."""
+    conf = api_inventory_variant(lab, tmp_path, "noaudit.proxmox_gpu.yml", secret="token-noaudit", token_id="noaudit")
+    run = predeploy([conf], True, env=lab.env)
+    assert run.rc == 2, run.output
+    assert "lacks VM.Audit" in one_line(run.output) and CHECK_PLAY not in run.output, run.output
+    assert predeploy_lines(run.output) == [
+        "PREDEPLOY FAIL: predeploy_hosts 'gpu_containers' matches no host: the inventory has none (sources: %s;"
+        " a source that failed to parse, or a Proxmox API token without VM.Audit, lists none: see the warnings"
+        " above)" % conf], run.output
+
+
+@contextlib.contextmanager
+def api_fault(lab, faults):
+    """STATE/api/faults.json, which the lab API reads at each request; removed after."""
+    path = os.path.join(os.path.dirname(lab.labctl("inventory", "--api", parse=False)), "api", "faults.json")
+    with open(path, "w") as handle:
+        json.dump(faults, handle)
+    try:
+        yield
+    finally:
+        os.unlink(path)
+
+
+def test_predeploy_check_fails_when_fewer_containers_than_expected(clean):
+    lab = clean
+    result = lab.playbook("predeploy_check.yml", {"predeploy_expect_hosts": 7})
+    assert result.rc == 2, result
+    assert predeploy_lines(result.output) == ["PREDEPLOY FAIL: expected 7 containers, checked 6"], result
+    assert ("expected 7 containers (predeploy_expect_hosts), checked 6 of predeploy_hosts 'gpu_containers': "
+            + ", ".join(CONTAINERS)) in one_line(result.output), result
+    # as many as expected (a string, as -e key=value gives it): free
+    result = lab.playbook("predeploy_check.yml", {"predeploy_expect_hosts": "6"})
+    assert result.rc == 0, result
+    assert predeploy_lines(result.output) == ["PREDEPLOY OK: every targeted GPU is free on 6 containers"], result
+    # under a limit (the first play does not run): still counted
+    result = lab.playbook("predeploy_check.yml", {"predeploy_expect_hosts": 2}, limit="ct101")
+    assert result.rc == 2, result
+    assert predeploy_lines(result.output) == ["PREDEPLOY FAIL: expected 2 containers, checked 1"], result
+    # with GPUs at fault too: both lines
+    lab.run("plain", 202, [1], 256)
+    result = lab.playbook("predeploy_check.yml", {"predeploy_expect_hosts": 7})
+    assert result.rc == 2, result
+    lines = predeploy_lines(result.output)
+    assert lines[:2] == ["PREDEPLOY FAIL: GPUs at fault: 1", "PREDEPLOY FAIL: expected 7 containers, checked 6"], result
+    assert lines[2].startswith("PREDEPLOY FAULT ct202: GPU 1 ") and len(lines) == 3, result
+
+
+def test_predeploy_check_counts_what_the_proxmox_inventory_left_out(clean):
+    """The API fails one container's config: the inventory leaves it out with a warning, and ansible-core
+    (told or not) goes on; only predeploy_expect_hosts sees the shortfall."""
+    lab = clean
+    fault = {"path": "^/nodes/pve2/lxc/202/config", "status": 500,
+             "message": "Configuration file 'nodes/pve2/lxc/202.conf' does not exist"}
+    static, lab.inventory = lab.inventory, lab.labctl("inventory", "--api", parse=False)
+    try:
+        with api_fault(lab, [fault]):
+            unguarded = lab.playbook("predeploy_check.yml")
+            guarded = lab.playbook("predeploy_check.yml", {"predeploy_expect_hosts": 6})
+    finally:
+        lab.inventory = static
+    assert unguarded.rc == 0 and sorted(unguarded.recap) == ["ct101", "ct102", "ct103", "ct201", "ct203", "localhost"], \
+        unguarded
+    assert "left out CT 202 (ct202) on pve2" in one_line(unguarded.output), unguarded
+    assert guarded.rc == 2, guarded
+    assert predeploy_lines(guarded.output) == ["PREDEPLOY FAIL: expected 6 containers, checked 5"], guarded
+
+
+@pytest.mark.parametrize("case", ["missing", "no-group"])
+def test_predeploy_readme_deploy_script_never_deploys_when_nothing_is_checked(tmp_path, case):
+    """The README's script as written, run by a user who set nothing: it sets what it must itself."""
+    script = tmp_path / "deploy.sh"
+    script.write_text(readme_deploy_script())
+    inventory = (str(tmp_path / "missing.yml") if case == "missing"
+                 else static_inventory(tmp_path, {"workers": ["w1"]}))
+    env = dict(os.environ, INVENTORY=inventory, DEPLOY="echo DEPLOYED", ANSIBLE_NOCOLOR="1",
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    for name in TOLD:
+        env.pop(name, None)
+    proc = subprocess.run(["sh", str(script)], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          universal_newlines=True, timeout=300, check=False)
+    assert proc.returncode == 1 and "DEPLOYED" not in proc.stdout.splitlines(), proc
+    if case == "missing":
+        assert proc.stdout == "", proc
+        assert "[ERROR]: Completely failed to parse inventory source %s" % inventory in proc.stderr, proc
+        assert "not deploying: the check itself failed (exit 1)" in proc.stderr, proc
+    else:
+        assert proc.stdout.splitlines() == [
+            "PREDEPLOY FAIL: predeploy_hosts 'gpu_containers' matches no host: none of the inventory's 1 hosts is"
+            " in it (groups: workers)"], proc
+        assert "not deploying: GPUs busy, or nothing (or too little) checked" in proc.stderr, proc
 
 
 def test_predeploy_check_can_release_first(clean):

@@ -44,6 +44,9 @@ def parser():
                     help="container whose python has no packages (repeatable)")
     up.add_argument("--unprivileged", action="append", default=[], metavar="VMID",
                     help="make this container unprivileged (lxc.idmap u/g 0 100000 65536; repeatable)")
+    up.add_argument("--shared-run-lock", action="append", default=[], metavar="VMID",
+                    help="this container bind-mounts the node's /run/lock at its /run/lock "
+                         "(lxc.mount.entry in its conf; repeatable)")
     up.add_argument("--free-delay", type=float, default=None, metavar="S",
                     help="seconds a freed allocation stays used and listed (default 0.15)")
     sub.add_parser("down", help="remove every process, cgroup and file of the lab")
@@ -103,7 +106,7 @@ def main(argv):
     try:
         if args.command == "up":
             lab.up(args.nodes, args.containers, args.gpus, dict(args.layout), args.nvml_pids, args.bare,
-                   args.free_delay, args.unprivileged)
+                   args.free_delay, args.unprivileged, args.shared_run_lock)
             print(json.dumps(lab.status(), sort_keys=True))
         elif args.command == "down":
             lab.down()

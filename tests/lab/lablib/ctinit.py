@@ -3,7 +3,8 @@
 LXC has built the container as Proxmox's config asks (namespaces, cgroup .../lxc/VMID/ns, autodev
 /dev with the fake NVIDIA files bound in by lxc.mount.entry, LXCFS over /proc, idmap when
 unprivileged). This init adds what the lab needs: tmpfs on /tmp and /run (and, unprivileged, on
-/var/tmp and /root, so no write reaches the host's files), the driver socket, ld.so.cache,
+/var/tmp and /root, so no write reaches the host's files; with shared_run_lock the node's /run/lock,
+which LXC bound at /run/lock, is bound back above that tmpfs), the driver socket, ld.so.cache,
 /usr/local/sbin; then runs supervisord and reaps children until SIGTERM (lxc-stop), which stops
 supervisord first. It marks itself ready with READY_FILE.
 """
@@ -73,11 +74,17 @@ def setup_mounts(cfg):
     repo_fd = os.open(REPO_ROOT, os.O_PATH | os.O_DIRECTORY)
     private = ["/tmp", "/run"] + (["/var/tmp", "/root"] if cfg.get("unprivileged") else [])
     state_fd = os.open(state, os.O_PATH | os.O_DIRECTORY)
+    # --shared-run-lock: LXC bound the node's /run/lock there (lxc.mount.entry); keep it above the tmpfs
+    run_lock_fd = os.open("/run/lock", os.O_PATH | os.O_DIRECTORY) if cfg.get("shared_run_lock") else None
     for path in private:
         sysutil.mount("tmpfs", path, "tmpfs", sysutil.MS_NOSUID | sysutil.MS_NODEV,
                       "mode=1777" if path.endswith("tmp") else "mode=755")
         _show_repo_under(path, repo_fd)
     os.close(repo_fd)
+    if run_lock_fd is not None:
+        os.mkdir("/run/lock")
+        sysutil.bind("/proc/self/fd/%d" % run_lock_fd, "/run/lock")
+        os.close(run_lock_fd)
     via_fd = "/proc/self/fd/%d/" % state_fd
     os.mkdir("/run/nvidia-lab")
     sysutil.bind(via_fd + "driver", "/run/nvidia-lab")

@@ -75,7 +75,7 @@ class Lab:
         raise LabError("no container %s in lab %s" % (vmid, self.rid))
 
     # ----- up
-    def shape(self, nodes, containers, gpus, layouts, nvml_pids, bare, unprivileged=()):
+    def shape(self, nodes, containers, gpus, layouts, nvml_pids, bare, unprivileged=(), shared_run_lock=()):
         shape = {"nvml_pids": nvml_pids, "nodes": {}}
         for k in range(1, nodes + 1):
             cts = {}
@@ -86,16 +86,20 @@ class Lab:
                 if bad:
                     raise LabError("layout of %s names minors %s, node has %d GPUs" % (vmid, bad, gpus))
                 cts[vmid] = {"minors": minors, "bare": vmid in bare, "unprivileged": vmid in unprivileged}
+                if vmid in shared_run_lock:  # only when set: the shape of a lab without it stays as it was
+                    cts[vmid]["shared_run_lock"] = True
             shape["nodes"][node_name(k)] = {"gpus": gpus, "containers": cts}
-        unknown = (set(layouts) | set(bare) | set(unprivileged)) - {v for n in shape["nodes"].values() for v in n["containers"]}
+        unknown = ((set(layouts) | set(bare) | set(unprivileged) | set(shared_run_lock))
+                   - {v for n in shape["nodes"].values() for v in n["containers"]})
         if unknown:
-            raise LabError("--layout/--bare/--unprivileged name vmids not in the lab: %s" % ", ".join(sorted(unknown)))
+            raise LabError("--layout/--bare/--unprivileged/--shared-run-lock name vmids not in the lab: %s"
+                           % ", ".join(sorted(unknown)))
         return shape
 
     def up(self, nodes=2, containers=2, gpus=8, layouts=None, nvml_pids="modern", bare=(), free_delay=None,
-           unprivileged=()):
+           unprivileged=(), shared_run_lock=()):
         shape = self.shape(nodes, containers, gpus, layouts or {}, nvml_pids, [str(b) for b in bare],
-                           [str(u) for u in unprivileged])
+                           [str(u) for u in unprivileged], [str(v) for v in shared_run_lock])
         self.free_delay = DEFAULT_FREE_DELAY if free_delay is None else float(free_delay)
         if self.free_delay < 0:
             raise LabError("--free-delay must be >= 0")
@@ -232,13 +236,15 @@ class Lab:
             bare_venv = self._bare_venv(vmid) if cshape["bare"] else None
             python = (bare_venv or VENV) + "/bin/python"
             unpriv = bool(cshape.get("unprivileged"))
+            shared_lock = bool(cshape.get("shared_run_lock"))
             if bare_venv and unpriv:  # the role installs into it: container root (uid 100000) owns it
                 _chown_tree(bare_venv, UNPRIV_BASE)
-            write_file(container.conf_path(ndir, vmid), proxmox_conf(vmid, cshape["minors"], unpriv, dev))
+            write_file(container.conf_path(ndir, vmid), proxmox_conf(vmid, cshape["minors"], unpriv, dev, shared_lock))
             write_json(container.config_path(ndir, vmid), {
                 "vmid": vmid, "node": node, "init_host_pid": None, "cgroup": cg_rel,
                 "cgroup_path": self.cg2 + cg_rel, "minors": cshape["minors"], "python": python,
-                "bare": cshape["bare"], "unprivileged": unpriv, "running": False, "state": self.state,
+                "bare": cshape["bare"], "unprivileged": unpriv, "shared_run_lock": shared_lock,
+                "running": False, "state": self.state,
                 "freezer_path": self._freezer_path(node, vmid),
                 "rid": self.rid, "supervisor_venv": VENV, "bare_venv": bare_venv})
             self.write_lxc_config(node, vmid)
@@ -687,10 +693,14 @@ class Lab:
 
 
 NVIDIA_MAJOR, NVIDIA_UVM_MAJOR = 195, 508  # 195 is fixed; nvidia-uvm's major differs per host
+NODE_RUN_LOCK = "/run/lock"  # the node's (nodeinit makes it on the node's tmpfs /run); --shared-run-lock binds it
 
 
-def proxmox_conf(vmid, minors, unprivileged=False, dev_dir="/dev"):
-    """/etc/pve/lxc/VMID.conf: GPUs as devN keys, plus the older raw style (device rules, lxc.mount.entry)."""
+def proxmox_conf(vmid, minors, unprivileged=False, dev_dir="/dev", shared_run_lock=False):
+    """/etc/pve/lxc/VMID.conf: GPUs as devN keys, plus the older raw style (device rules, lxc.mount.entry).
+
+    shared_run_lock: the node's /run/lock bound at the container's /run/lock, as an admin writes it
+    (the container's init binds it back above its own tmpfs /run)."""
     lines = ["arch: amd64", "cores: 8", "hostname: ct%s" % vmid, "memory: 65536",
              "net0: name=eth0,bridge=vmbr0,ip=dhcp,type=veth", "ostype: debian",
              "rootfs: local-lvm:vm-%s-disk-0,size=64G" % vmid, "swap: 0", "unprivileged: %d" % bool(unprivileged)]
@@ -705,6 +715,8 @@ def proxmox_conf(vmid, minors, unprivileged=False, dev_dir="/dev"):
     # The lab's device files are regular files: these binds carry them in; the rules above enforce nothing.
     raw += ["lxc.mount.entry: %s/%s %s none bind,optional,create=file" % (dev_dir, d[len("/dev/"):], d[1:])
             for d in devs]
+    if shared_run_lock:
+        raw.append("lxc.mount.entry: %s %s none bind,create=dir 0 0" % (NODE_RUN_LOCK, NODE_RUN_LOCK.lstrip("/")))
     return "\n".join(sorted(lines) + raw) + "\n"
 
 

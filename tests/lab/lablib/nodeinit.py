@@ -10,10 +10,10 @@ Proxmox; /etc/lxc/lxc.conf naming the node's lxcpath, so `lxc-attach -n VMID` ne
 Proxmox's view of the node (issue 11), in the node's mount namespace only: a read-only overlay on /etc
 whose top layer (STATE/nodes/NODE/etc-layer) holds /etc/pve (`lxc` -> the node's lxc/ folder, live;
 `ha` -> STATE/pve/ha; `nodes/NAME/lxc`; `local`); the lab ld.so.cache on /etc/ld.so.cache;
-/run/nvidia-lab = STATE/driver; a read-only overlay on /dev whose top layer has empty mountpoints
-for the fake device files, each then bound from STATE/nodes/NODE/dev (same inodes as in the
-containers), with /dev's own submounts (pts, shm, mqueue, ...) bound back; the node's bin folder
-(the fake nvidia-smi) overlaid on /usr/bin.
+/run/nvidia-lab = STATE/driver; /run/lock (root, 1777, as on Debian); a read-only overlay on /dev
+whose top layer has empty mountpoints for the fake device files, each then bound from
+STATE/nodes/NODE/dev (same inodes as in the containers), with /dev's own submounts (pts, shm,
+mqueue, ...) bound back; the node's bin folder (the fake nvidia-smi) overlaid on /usr/bin.
 Then it runs sshd -D and reaps orphans (LXC monitors, container launchers) until SIGTERM.
 """
 
@@ -175,6 +175,8 @@ def setup_mounts(cfg):
     os.mkdir(ROOTFS)  # on the node's own /run: nothing under STATE, so STATE binds into containers cleanly
     sysutil.mount("/", ROOTFS, None, sysutil.MS_BIND)  # not recursive: the root file system only
     os.mkdir("/run/sshd", 0o755)
+    os.mkdir("/run/lock")  # as on Debian: root 1777; a --shared-run-lock container binds it (lxc.mount.entry)
+    os.chmod("/run/lock", 0o1777)
     if proxmox:
         os.mkdir("/run/nvidia-lab", 0o755)  # the driver socket at its default path
         sysutil.bind(os.path.join(state, "driver"), "/run/nvidia-lab")

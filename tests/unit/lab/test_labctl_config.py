@@ -24,6 +24,17 @@ def test_proxmox_conf_lists_only_the_layout_minors():
     assert "unprivileged: 1" in lablab.proxmox_conf("102", [4], unprivileged=True).splitlines()
 
 
+def test_shared_run_lock_binds_the_nodes_run_lock_only_where_asked():
+    entry = "lxc.mount.entry: /run/lock run/lock none bind,create=dir 0 0"
+    assert entry in lablab.proxmox_conf("103", [2], shared_run_lock=True).splitlines()
+    assert entry not in lablab.proxmox_conf("103", [2]).splitlines()
+    shape = lablab.Lab.shape(None, 1, 3, 3, {}, "modern", [], shared_run_lock=["103"])
+    assert shape["nodes"]["pve1"]["containers"]["103"]["shared_run_lock"] is True
+    assert "shared_run_lock" not in shape["nodes"]["pve1"]["containers"]["101"]   # other shapes stay as they were
+    with pytest.raises(LabError, match="--shared-run-lock name vmids not in the lab: 999"):
+        lablab.Lab.shape(None, 1, 3, 3, {}, "modern", [], shared_run_lock=["999"])
+
+
 def test_lxc_config_as_proxmox_writes_it(tmp_path):
     pve = tmp_path / "202.conf"
     pve.write_text(lablab.proxmox_conf("202", [3], unprivileged=True, dev_dir="/run/lab/dev"))

@@ -119,3 +119,21 @@ def test_rooted_lock_dir_never_follows_a_planted_link(tmp_path):
     with pytest.raises(LockDirError, match="is not a directory"):
         locks.acquire(["GPU-a"], 0.2)
     assert os.listdir(str(elsewhere)) == []
+
+
+def test_rooted_lock_file_already_held_keeps_its_owner(tmp_path):
+    folder = tmp_path / "locks"
+    folder.mkdir(mode=0o700)
+    held = folder / "held.lock"
+    held.write_text("")
+    st = held.stat()
+    rooted = node.RootLockDir(str(tmp_path), ["locks"], 4242, 4242)
+    dir_fd = os.open(str(folder), os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        fds = [rooted.open_file(dir_fd, "held.lock", keep_owner={(st.st_dev, st.st_ino): str(held)}),
+               rooted.open_file(dir_fd, "new.lock", keep_owner={(st.st_dev, st.st_ino): str(held)})]
+        for fd in fds:
+            os.close(fd)
+    finally:
+        os.close(dir_fd)
+    assert held.stat().st_uid == st.st_uid and (folder / "new.lock").stat().st_uid == 4242

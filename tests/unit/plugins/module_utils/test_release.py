@@ -11,7 +11,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as p
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import (
-    GpuLocks, LockTimeout, decide, find_nvidia_smi, is_supervisor, release, send_guarded,
+    GpuLocks, LockTimeout, decide, find_nvidia_smi, release, send_guarded,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import Protect, compile_regex
 
@@ -203,11 +203,7 @@ def test_residue_of_a_dead_rank_is_charged_to_the_surviving_job(proc):
     assert decision.refusals and pids(decide(report, [1], [0, 1, 2], collateral="stop").to_signal) == [80, 82]
 
 
-def test_is_supervisor_and_find_nvidia_smi(tmp_path):
-    assert is_supervisor(["supervisord"], "")
-    assert is_supervisor(["python3"], "/opt/venv/bin/supervisord -c /etc/s.conf")
-    assert is_supervisor(["systemd"], "/sbin/init")
-    assert not is_supervisor(["bash"], "bash -c train.sh")
+def test_find_nvidia_smi(tmp_path):
     smi = tmp_path / "nvidia-smi"
     smi.write_text("#!/bin/sh\n")
     smi.chmod(0o755)
@@ -531,3 +527,66 @@ def test_access_denied_without_pidfd_is_an_outcome_not_a_crash():
     finally:
         target.kill()
         target.wait()
+
+
+# ---- issue 17: one lock per file (a container whose /run/lock is the node's)
+
+def _fake_container_init(proc, pid, vmid, root):
+    """A container's init in a recorded /proc: NSpid (pid, 1), cgroup lxc/VMID/ns, root -> the container's root."""
+    folder = proc / str(pid)
+    folder.mkdir()
+    (folder / "status").write_text("Name:\tinit\nNSpid:\t%d\t1\n" % pid)
+    (folder / "cgroup").write_text("0::/lxc/%s/ns/init.scope\n" % vmid)
+    os.symlink(str(root), str(folder / "root"))  # as /proc/PID/root: a link to the process's root
+
+
+def test_a_container_lock_file_that_is_the_nodes_own_is_taken_once(tmp_path):
+    from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+    from ansible_collections.gpuops.fleet.plugins.module_utils._release import _ContainerLocks
+    shared_root = tmp_path / "shared"          # /run/lock of the node, also that of containers 103 and 104
+    (shared_root / "run").mkdir(parents=True)
+    node_dir = shared_root / "run" / "lock" / "gpuops-fleet"
+    own_root = tmp_path / "ct105"              # 105 has a /run/lock of its own
+    (own_root / "run").mkdir(parents=True)
+    own_dir = own_root / "run" / "lock" / "gpuops-fleet"
+    proc = tmp_path / "proc"
+    proc.mkdir()
+    _fake_container_init(proc, 4242, 103, shared_root)
+    _fake_container_init(proc, 4343, 104, shared_root)
+    _fake_container_init(proc, 4444, 105, own_root)
+    keys = ["GPU-b", "GPU-a"]
+    node_locks = GpuLocks(str(node_dir))
+    node_locks.acquire(keys, 2.0)
+    started = time.monotonic()
+    locks = _ContainerLocks(node_locks, str(proc), node.Scope([103, 104, 105]), keys, 2.0)
+    try:
+        assert time.monotonic() - started < 1.0 and locks.waited_s < 1.0
+        by_root = dict((taken.lock_dir, taken) for taken in locks.all[1:])
+        for pid in (4242, 4343):     # the same files by another path: closed, never flocked a second time
+            aliased = by_root["%s/%d/root/run/lock/gpuops-fleet" % (proc, pid)]
+            assert aliased.fds == [] and len(aliased.aliases) == 2
+            assert sorted(held for dummy, held in aliased.aliases) == sorted(node_locks.path(k) for k in keys)
+        assert len(by_root["%s/4444/root/run/lock/gpuops-fleet" % proc].fds) == 2
+        for folder in (node_dir, own_dir):   # each file is held against any other taker
+            with pytest.raises(LockTimeout):
+                GpuLocks(str(folder)).acquire(["GPU-a"], 0.2)
+            with pytest.raises(LockTimeout):
+                GpuLocks(str(folder)).acquire(["GPU-b"], 0.2)
+    finally:
+        locks.release()
+    assert node_locks.held == {}
+    for folder in (node_dir, own_dir):
+        after = GpuLocks(str(folder))
+        after.acquire(keys, 0.2)
+        after.release()
+
+
+def test_two_keys_naming_one_lock_file_do_not_wait_on_each_other(tmp_path):
+    locks = GpuLocks(str(tmp_path / "locks"))
+    locks.acquire(["GPU-a/b", "GPU-a_b"], 1.0)   # one file name after sanitising
+    try:
+        assert len(locks.fds) == 1 and locks.waited_s < 0.5
+        with pytest.raises(LockTimeout):
+            GpuLocks(str(tmp_path / "locks")).acquire(["GPU-a_b"], 0.2)
+    finally:
+        locks.release()

@@ -9,7 +9,7 @@ COLL_LINK := $(SITE)/ansible_collections/gpuops/fleet
 WHEELS := .cache/wheels
 APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo openssl python3-venv shellcheck lxc lxcfs
 
-.PHONY: all venv system-packages test sanity unit lint integration test-respawn demo bench gpu-facts clean lab-down
+.PHONY: all venv system-packages test sanity unit lint test-lab integration test-stress test-respawn demo bench gpu-facts clean lab-down
 
 all: test
 
@@ -40,12 +40,19 @@ lint: venv
 	@$(VPY) tests/tools/run_all.py --only lint
 
 integration: venv
-	@$(VPY) tests/tools/run_all.py --only integration
+	@$(VPY) tests/tools/run_all.py --only lab --only integration
 
-# The respawn tests, 20 rounds in a row (supervisord, a shell loop, a Python loop, a parent named torchrun).
+# The lab's self-tests alone (make test runs them before the integration tests).
+test-lab: venv
+	@$(VPY) tests/tools/run_all.py --only lab
+
+# Every timing-sensitive test (marker `timing`) 20 times in a row: pass rate and slowest run of each.
+test-stress: venv
+	@$(VPY) tests/tools/stress.py --rounds 20
+
+# The respawn tests alone, 20 rounds (supervisord, a shell loop, a Python loop, a parent named torchrun).
 test-respawn: venv
-	@PATH="$(CURDIR)/$(VENV)/bin:$$PATH" GPUOPS_REPEAT=$${GPUOPS_REPEAT:-20} $(VPY) -m pytest -q -rfE -p no:cacheprovider \
-		tests/integration/test_gpu_release.py -k "respawn and not sibling"
+	@$(VPY) tests/tools/stress.py --rounds 20 -k "respawn and not sibling"
 
 demo: venv
 	@$(VPY) tests/lab/demo.py

@@ -600,8 +600,14 @@ class Releaser(object):
                 return True
             now = self.now()
             if now >= starting_end or (now >= end and not self.watch.pending) or not self.watch.live_parents():
-                return False
+                break
             time.sleep(self.poll_s)
+        found = self.watch.starting_again()
+        if found is None:
+            return False
+        self.respawned = found
+        self.failure = respawn.respawn_message(found)
+        return True
 
     def _after_respawn(self):
         """A respawn fails the task; from the node, a planned container restart may still free the GPUs."""

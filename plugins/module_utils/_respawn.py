@@ -64,6 +64,7 @@ class RespawnWatch(object):
         self.since = since_ticks
         self.known = set(known_pids)
         self.killed = set()
+        self.old = set()        # pids seen started before the kill
         self.parents = {}       # pid -> {pid, name, starttime, chain, unit, cgroup}
         self.pending = {}       # pid -> stat of a new child that maps no targeted GPU yet
         self.found = None
@@ -73,6 +74,8 @@ class RespawnWatch(object):
         self.killed.add(record["pid"])
         self.parents.pop(record["pid"], None)
         ppid = record.get("ppid")
+        if ppid in self.parents:
+            self.parents[ppid]["killed_names"].add(record["name"])
         if not ppid or ppid in self.parents or ppid in self.killed:
             return
         stat = procscan.read_stat(ppid, self.proc_root)
@@ -83,20 +86,29 @@ class RespawnWatch(object):
         if init and not unit:
             return  # an orphan's adopter restarts nothing
         self.parents[ppid] = {"pid": ppid, "name": stat["comm"], "starttime": stat["starttime"],
-                              "chain": _chain(ppid, self.proc_root), "unit": unit, "cgroup": record.get("cgroup")}
+                              "chain": _chain(ppid, self.proc_root), "unit": unit, "cgroup": record.get("cgroup"),
+                              "killed_names": set([record["name"]])}
 
     def live_parents(self):
         return [p for p in self.parents.values() if procscan.same_process(p["pid"], p["starttime"], self.proc_root)]
 
     def _new_processes(self):
-        """{pid: stat} of the processes started since the kill that this release did not know."""
+        """{pid: stat} of the processes started since the kill that this release did not know.
+
+        A pid seen started before the kill is not read again while it stays listed (a poll reads
+        only what is new); one that leaves the listing may come back as a new process.
+        """
         out = {}
-        for name in os.listdir(self.proc_root):
-            if not name.isdigit() or int(name) in self.known:
+        listed = set(int(name) for name in os.listdir(self.proc_root) if name.isdigit())
+        self.old &= listed
+        for pid in listed - self.known - self.old:
+            stat = procscan.read_stat(pid, self.proc_root)
+            if stat is None:
                 continue
-            stat = procscan.read_stat(int(name), self.proc_root)
-            if stat is not None and stat["starttime"] >= self.since:
-                out[int(name)] = stat
+            if stat["starttime"] >= self.since:
+                out[pid] = stat
+            else:
+                self.old.add(pid)
         return out
 
     def _watched_parent(self, pid, new):
@@ -154,19 +166,35 @@ class RespawnWatch(object):
             if not hit:
                 if named is None:
                     named = set(nvml_named()) if nvml_named is not None else set()
-                hit = pid in named
+                hit = "named by NVML on a targeted GPU" if pid in named else False
             if hit and procscan.same_process(pid, stat["starttime"], self.proc_root):
-                self.found = {"pid": pid, "name": stat["comm"], "parent_pid": parent["pid"],
-                              "parent_name": parent["name"], "chain": parent["chain"], "unit": parent["unit"],
-                              "how_to_stop": how_to_stop(parent, parent["unit"])}
-                return self.found
-            pending[pid] = stat
+                return self._found(pid, stat, parent, "maps a targeted GPU" if hit is True else hit)
+            pending[pid] = (stat, parent)
         self.pending = pending
+        return None
+
+    def _found(self, pid, stat, parent, evidence):
+        self.found = {"pid": pid, "name": stat["comm"], "parent_pid": parent["pid"], "parent_name": parent["name"],
+                      "chain": parent["chain"], "unit": parent["unit"], "evidence": evidence,
+                      "how_to_stop": how_to_stop(parent, parent["unit"])}
+        return self.found
+
+    def starting_again(self):
+        """At the window's end: a new child, still starting (no GPU yet), named like a holder killed under the
+        same parent. A real CUDA program takes seconds to map its context; the same program started again
+        under the same parent after the kill is a respawn all the same."""
+        if self.found is not None:
+            return self.found
+        for pid, (stat, parent) in sorted(self.pending.items()):
+            if stat["comm"] in parent["killed_names"] and procscan.same_process(pid, stat["starttime"], self.proc_root):
+                return self._found(pid, stat, parent, "started again under the same parent as killed %s, still "
+                                   "starting (no GPU mapped yet)" % stat["comm"])
         return None
 
 
 def respawn_message(found):
     chain = " < ".join("%d (%s)" % (p["pid"], p["name"]) for p in found["chain"])
     return ("respawned by pid %d (%s): stop the service first (new holder pid %d (%s) appeared under the same parent "
-            "after the kill; parent chain %s); %s"
-            % (found["parent_pid"], found["parent_name"], found["pid"], found["name"], chain, found["how_to_stop"]))
+            "after the kill: %s; parent chain %s); %s"
+            % (found["parent_pid"], found["parent_name"], found["pid"], found["name"], found["evidence"], chain,
+               found["how_to_stop"]))

@@ -42,7 +42,9 @@ description:
     6 while a new child is still starting), the live parents of the killed holders are watched, whatever their name
     (a supervisor, a shell loop, C(torchrun)). A process that starts under one of them after the kill and maps a
     targeted GPU, or that NVML names on one, fails the task with 'respawned by pid X (name): stop the service
-    first', the parent's chain and what to stop (RV(respawned)). It is never signalled. An init (pid 1 of its
+    first', the parent's chain and what to stop (RV(respawned)). So does one still starting at the window's end
+    (no GPU mapped yet: a real CUDA program takes seconds) that has the name of a holder killed under the same
+    parent. It is never signalled. An init (pid 1 of its
     namespace) is watched only for the holders of a systemd service, and only for new processes of that service.
     Stopping services is the job of the C(gpuops.fleet.release_gpus) role."
 author:
@@ -448,10 +450,12 @@ respawned:
     - The respawn that failed the task, null otherwise. C(pid) and C(name) are the new holder's (never signalled);
       C(parent_pid) and C(parent_name) the killed holder's parent that started it; C(chain) that parent and its
       ancestors up to pid 1 (C(pid), C(name)); C(unit) the systemd service when the parent is an init;
-      C(how_to_stop) what to stop before releasing again.
+      C(evidence) why it is a respawn (it maps a targeted GPU, NVML names it on one, or it is the killed
+      holder's program starting again); C(how_to_stop) what to stop before releasing again.
   returned: always
   type: dict
   sample: {"pid": 702, "name": "python3", "parent_pid": 35, "parent_name": "sh", "unit": null,
+           "evidence": "maps a targeted GPU",
            "chain": [{"pid": 35, "name": "sh"}, {"pid": 12, "name": "bash"}, {"pid": 1, "name": "init"}],
            "how_to_stop": "stop pid 35 (sh) or what runs it first (a shell loop, a launcher such as torchrun, a
              supervisor), then release again"}

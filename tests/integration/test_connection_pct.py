@@ -412,6 +412,7 @@ def test_plugin_api_reports_a_stopped_container(lab):
         lab.node_ssh('pct start 102')
 
 
+@pytest.mark.timing
 def test_command_timeout_stops_the_command_in_the_container(lab):
     conn = plugin_connection(lab, pct_command_timeout=1)
     start = time.monotonic()

@@ -109,6 +109,7 @@ def assert_task_gone_and_hang_real(lab, play):
 
 # ---- A5 and E: NVML hangs in the kernel ----
 
+@pytest.mark.timing
 def test_hang_in_memory_call_ends_the_task_and_leaves_nothing_behind(lab, fault):
     run = lab.run("plain", 101, [0], mib=1024)
     fault("--gpu", 1, "--fault", "hang_memory")
@@ -120,6 +121,7 @@ def test_hang_in_memory_call_ends_the_task_and_leaves_nothing_behind(lab, fault)
     assert_task_gone_and_hang_real(lab, play)
 
 
+@pytest.mark.timing
 def test_hang_in_init_ends_the_task(lab, fault):
     fault("--init", "hang")
     play = bounded_play(lab, "ct101", "gpu_release", {"nvml_timeout": 1})
@@ -128,6 +130,7 @@ def test_hang_in_init_ends_the_task(lab, fault):
     assert_task_gone_and_hang_real(lab, play)
 
 
+@pytest.mark.timing
 def test_hang_in_process_list_ends_a_release_without_signals(lab, fault):
     run = lab.run("plain", 101, [1], mib=1024)
     fault("--gpu", 1, "--fault", "hang_procs")
@@ -273,6 +276,7 @@ while True:
 '''
 
 
+@pytest.mark.timing
 def test_blocked_proc_read_is_bounded_and_reported(lab):
     started = lab.exec(101, LAB_PY, "-c", BLOCKER, "0", "1536")
     assert started.returncode == 0, started.stdout

@@ -15,7 +15,6 @@ from _enginelab import EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab
 
 FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
-REPEAT = range(int(os.environ.get("GPUOPS_REPEAT", "1")))   # make test-respawn: 20 rounds in a row
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKLOAD = os.path.join(REPO, "tests", "lab", "workloads", "workload.py")
 LAB_PYTHON = os.path.join(REPO, ".lab", "venv", "bin", "python")
@@ -148,8 +147,8 @@ def test_leaked_memory_needs_a_reset(clean):
     assert [a["outcome"][:4] for a in play["actions"] if a["signal"] == "reset"] == ["done"]
 
 
-@pytest.mark.parametrize("round_", REPEAT)
-def test_respawn_is_detected(clean, round_):
+@pytest.mark.timing
+def test_respawn_is_detected(clean):
     lab = clean
     run = lab.run("respawn", 102, [1])                   # supervisord program on minor 5
     play = lab.play("ct102", "gpu_release", dict(FAST, gpus=[1]))
@@ -161,6 +160,7 @@ def test_respawn_is_detected(clean, round_):
     assert run["container_roles"]["holder"] in signalled_pids(play)
 
 
+@pytest.mark.timing
 def test_long_running_sibling_of_the_same_name_is_no_respawn(clean):
     """Issue 10: under LXCFS /proc/uptime is the container's; the respawn check must not use it.
 
@@ -188,6 +188,7 @@ def test_long_running_sibling_of_the_same_name_is_no_respawn(clean):
                  "/run/supervisor/conf.d/gpuops-once.conf; supervisorctl update")
 
 
+@pytest.mark.timing
 def test_two_releases_of_one_gpu_do_not_both_signal(clean):
     lab = clean
     run = lab.run("term_ignoring", 101, [0])
@@ -246,6 +247,7 @@ def test_lost_gpu_fails_without_signals(clean):
     assert "GPU_IS_LOST" in play["msg"] and "nothing was signalled" in play["msg"]
 
 
+@pytest.mark.timing
 def test_overall_timeout_is_enforced_by_the_module(clean):
     lab = clean
     run = lab.run("term_ignoring", 101, [0])
@@ -294,6 +296,7 @@ os.kill(second, signal.SIGKILL)
 '''
 
 
+@pytest.mark.timing
 def test_a_really_reused_pid_is_never_signalled(clean):
     """ns_last_pid in the container's PID namespace hands a dead process's pid to a new one.
 
@@ -329,9 +332,9 @@ RESPAWNING_PARENTS = {
 }
 
 
-@pytest.mark.parametrize("round_", REPEAT)
+@pytest.mark.timing
 @pytest.mark.parametrize("kind", sorted(RESPAWNING_PARENTS))
-def test_respawn_by_a_parent_loop_is_detected(clean, kind, round_):
+def test_respawn_by_a_parent_loop_is_detected(clean, kind):
     """A parent restarts the holder as soon as it dies, whatever its name: the task fails naming that parent
     and its chain (never "verified free"), and the new holder is not signalled."""
     lab = clean

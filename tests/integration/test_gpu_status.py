@@ -214,6 +214,7 @@ def test_gpu_is_lost_is_a_named_failure(lab, scene):
     assert "Traceback" not in play.output
 
 
+@pytest.mark.timing
 def test_nvml_hang_times_out_and_names_the_gpu(lab, scene):
     lab.labctl("fault", "--node", "pve1", "--gpu", 6, "--fault", "hang")
     try:

@@ -21,7 +21,7 @@ LAB_ID = "labit%04x" % (os.getpid() & 0xFFFF)
 OTHER_LAB_ID = LAB_ID + "b"
 MIB = 1536
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="the lab needs root")
+pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="the lab needs root"), pytest.mark.real_lxc]
 
 
 def labctl(*args, lab_id=LAB_ID, check=True, timeout=120):

@@ -7,6 +7,8 @@ node's. The truth is `labctl gpus` and the host's /proc, never only the module's
 import json
 import os
 
+import pytest
+
 from _enginelab import EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab, wait_until
 
@@ -95,6 +97,7 @@ def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):
     assert host_alive(b["holders"][0])
 
 
+@pytest.mark.timing
 def test_a_release_inside_the_container_waits_for_the_node_side_lock(clean):
     clean.run("term_ignoring", 101, [0])
     # the holder ignores SIGTERM: the node-side release holds the lock for term_timeout, time enough for the
@@ -128,6 +131,7 @@ def test_reset_is_refused_inside_a_container_and_while_a_client_runs_on_the_node
     assert [a["outcome"][:4] for a in done["actions"] if a["signal"] == "reset"] == ["done"]
 
 
+@pytest.mark.timing
 def test_container_rung_restarts_a_container_whose_launcher_respawns_faster_than_sigkill(clean):
     run = clean.run("launcher_respawn", 101, [0], mib=900)
     other = clean.run("plain", 102, [0], mib=700)
@@ -208,6 +212,7 @@ def _shared_lock_paths(clean, minor):
     return node_root + "/" + name, ct_root + "/" + name
 
 
+@pytest.mark.timing
 def test_node_release_on_a_container_sharing_the_nodes_run_lock_takes_that_lock_once(clean):
     node_file, ct_file = _shared_lock_paths(clean, 2)
     run = clean.run("plain", 103, [0], mib=600)
@@ -219,6 +224,7 @@ def test_node_release_on_a_container_sharing_the_nodes_run_lock_takes_that_lock_
     assert _identity(node_file) == _identity(ct_file) and not _flocked(node_file)
 
 
+@pytest.mark.timing
 def test_a_release_inside_a_container_sharing_the_nodes_run_lock_waits_for_the_node_side_one(clean):
     dummy, ct_file = _shared_lock_paths(clean, 2)
     run = clean.run("term_ignoring", 103, [0])

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import tempfile
 
+import pytest
+
 from _enginelab import EngineLab, host_alive
 from _labfixture import module_lab
 from _rolelab import PlayResult, parse_recap
@@ -17,6 +19,8 @@ from _rolelab import PlayResult, parse_recap
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VMIDS = [str(n * 100 + c) for n in (1, 2, 3) for c in range(1, 9)]
 IDLE = {"108", "208", "308"}    # one container per node has no holder
+
+pytestmark = pytest.mark.slow   # 24 containers on 3 nodes: about 3 minutes
 
 lab = module_lab(lambda: EngineLab("fleet11", ["--nodes", "3", "--containers", "8", "--gpus", "1"]
                                    + [a for v in VMIDS for a in ("--layout", "%s=0" % v)]))

@@ -15,6 +15,8 @@ from _enginelab import EngineLab
 from _labfixture import module_lab
 from _rolelab import RoleLab
 
+pytestmark = pytest.mark.real_lxc   # an unprivileged real LXC container (idmap, LXCFS)
+
 lab = module_lab(lambda: EngineLab("unpriv", ["--nodes", "1", "--containers", "1", "--gpus", "2",
                                               "--unprivileged", "101"]))
 

@@ -1,7 +1,10 @@
 """Run every test stage of gpuops.fleet and end with one pytest-style summary line.
 
 Stages: sanity (ansible-test on a copy of the tracked files), unit (pytest),
-lint (ansible-lint, production profile), integration (pytest against the lab).
+lint (ansible-lint, production profile), lab (the lab's self-tests, tests/integration/test_lab*.py),
+integration (pytest against the lab). Sanity and lint run in a second process beside the others
+(their output is printed when they end); the lab stage runs before integration, and a broken lab
+stops the run there. Tests marked `timing` run --timing-repeat times (GPUOPS_TIMING_REPEAT).
 
 A test that did not run never counts as passed: a sanity test whose program is
 missing counts as skipped, and a skipped test fails the run unless
@@ -9,6 +12,8 @@ tests/allowed_skips.txt lists it with a reason. After a full run, every test tha
 docs/reliability.md lists must have run and passed.
 """
 import argparse
+import glob
+import json
 import os
 import re
 import shutil
@@ -20,7 +25,10 @@ import xml.etree.ElementTree as ET
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
-STAGES = ("sanity", "unit", "lint", "integration")
+STAGES = ("sanity", "unit", "lint", "lab", "integration")
+BESIDE = ("sanity", "lint")   # stages run in a second process beside the others
+LAB_TESTS = "tests/integration/test_lab*.py"
+SLOWEST = 10
 ALLOWED_SKIPS = os.path.join(REPO, "tests", "allowed_skips.txt")
 RELIABILITY = os.path.join(REPO, "docs", "reliability.md")
 TEST_ID = re.compile(r"`(tests/[\w/]+\.py::[\w\[\]-]+)`")
@@ -47,6 +55,7 @@ class Tally:
         self.prefixes = set()     # "tests/x.py::test_name[" of parametrized tests whose every case passed
         self.failed_prefixes = set()
         self.times = []           # (stage, seconds)
+        self.durations = []       # (seconds, test id) of every pytest test
 
     def add(self, passed, failed, skipped=0, failures=()):
         self.passed += passed
@@ -151,13 +160,14 @@ def run_sanity(tally):
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def run_pytest(tally, name, paths, extra=()):
+def run_pytest(tally, name, paths, extra=(), env_extra=None):
     banner("pytest " + name)
     xml = os.path.join(tempfile.gettempdir(), "gpuops-%s-%d.xml" % (name, os.getpid()))
     # No PYTHONPATH: the venv already sees ansible_collections, and a PYTHONPATH would leak
     # into lab containers through pct exec (which keeps the environment).
-    env = dict(os.environ, PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""))
+    env = dict(os.environ, PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""), **(env_extra or {}))
     env.pop("PYTHONPATH", None)
+    paths = [p for pattern in paths for p in (sorted(glob.glob(os.path.join(REPO, pattern))) or [pattern])]
     cmd = [os.path.join(VENV_BIN, "python"), "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider",
            "--junitxml", xml] + list(extra) + list(paths)
     proc = subprocess.run(cmd, cwd=REPO, env=env, check=False)
@@ -168,6 +178,7 @@ def run_pytest(tally, name, paths, extra=()):
         root = ET.parse(xml).getroot()
         for case in root.iter("testcase"):
             label = case_id(case)
+            tally.durations.append((float(case.get("time") or 0), label))
             prefix = label.split("[")[0] + "[" if "[" in label else None
             if case.find("failure") is not None or case.find("error") is not None:
                 failed += 1
@@ -188,6 +199,7 @@ def run_pytest(tally, name, paths, extra=()):
     if proc.returncode not in (0, 5) and failed == 0:
         failed, failures = 1, [name + ": pytest exit %d" % proc.returncode]
     tally.add(passed, failed, skipped, failures)
+    return failed
 
 
 def run_lint(tally):
@@ -199,7 +211,9 @@ def run_lint(tally):
     env = dict(os.environ, PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""),
                ANSIBLE_COLLECTIONS_PATH=os.path.join(REPO, ".venv", "lib", "python3.11", "site-packages"))
     proc = subprocess.run([os.path.join(VENV_BIN, "ansible-lint"), "--profile", "production",
-                           "--offline"] + targets, cwd=REPO, env=env, check=False)
+                           "--offline"] + targets, cwd=REPO, env=env, check=False, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True)
+    print(proc.stdout[-20000:], flush=True)
     if proc.returncode == 0:
         tally.add(1, 0)
     else:
@@ -230,23 +244,93 @@ def timed(tally, stage, func, *args):
     tally.times.append((stage, time.monotonic() - started))
 
 
+def start_beside(stages):
+    """Sanity and lint in a second run_all process; returns (process, log path, tally path)."""
+    log = tempfile.NamedTemporaryFile(prefix="gpuops-beside-", suffix=".log", delete=False)
+    result = log.name[:-len(".log")] + ".json"
+    cmd = [sys.executable, os.path.abspath(__file__), "--tally-json", result]
+    for stage in stages:
+        cmd += ["--only", stage]
+    return subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT), log, result
+
+
+def join_beside(tally, beside):
+    proc, log, result = beside
+    proc.wait()
+    log.close()
+    with open(log.name) as handle:
+        print(handle.read(), end="", flush=True)
+    os.unlink(log.name)
+    try:
+        with open(result) as handle:
+            data = json.load(handle)
+        os.unlink(result)
+    except (OSError, ValueError):
+        tally.add(0, 1, failures=["sanity and lint: their process ended without a result (exit %s)" % proc.returncode])
+        return
+    tally.add(data["passed"], data["failed"], data["skipped"], data["failures"])
+    tally.times.extend((stage, seconds) for stage, seconds in data["times"])
+
+
+def print_slowest(tally):
+    if tally.durations:
+        banner("the %d slowest tests" % SLOWEST)
+        for seconds, label in sorted(tally.durations, reverse=True)[:SLOWEST]:
+            print("%7.1f s  %s" % (seconds, label))
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", choices=STAGES, action="append")
+    parser.add_argument("--timing-repeat", type=int, default=int(os.environ.get("GPUOPS_TIMING_REPEAT", "1")),
+                        help="runs of each test marked timing (default GPUOPS_TIMING_REPEAT, else 1)")
+    parser.add_argument("--workers", type=int, default=int(os.environ.get("GPUOPS_TEST_WORKERS", "1")),
+                        help="pytest-xdist workers for the lab and integration stages, one test file each at a time "
+                             "(default GPUOPS_TEST_WORKERS, else 1)")
+    parser.add_argument("--tally-json", help=argparse.SUPPRESS)   # a second process's result, for start_beside
     args = parser.parse_args()
+    if args.timing_repeat < 1:
+        parser.error("--timing-repeat must be at least 1")
     stages = args.only or STAGES
     tally = Tally()
     start = time.monotonic()
-    if "sanity" in stages:
+    beside = None
+    here = [stage for stage in stages if stage not in BESIDE]
+    if args.tally_json is None and here and [stage for stage in stages if stage in BESIDE]:
+        beside = start_beside([stage for stage in stages if stage in BESIDE])
+    else:
+        here = stages
+    if "sanity" in here:
         timed(tally, "sanity", run_sanity)
-    if "unit" in stages:
-        timed(tally, "unit", run_pytest, "unit", ["tests/unit"])
-    if "lint" in stages:
+    if "lint" in here:
         timed(tally, "lint", run_lint)
-    if "integration" in stages:
-        timed(tally, "integration", run_pytest, "integration", ["tests/integration"])
-    if set(stages) >= set(("unit", "integration")):
+    if "unit" in here:
+        timed(tally, "unit", run_pytest, "unit", ["tests/unit"])
+    repeat = {"GPUOPS_TIMING_REPEAT": str(args.timing_repeat)}
+    parallel = ["-n", str(args.workers), "--dist", "loadfile"] if args.workers > 1 else []
+    lab_broken = False
+    if "lab" in here:
+        started = time.monotonic()
+        lab_broken = run_pytest(tally, "lab", [LAB_TESTS], parallel, repeat) > 0
+        tally.times.append(("lab", time.monotonic() - started))
+    if "integration" in here:
+        if lab_broken:
+            banner("pytest integration")
+            print("not run: the lab's self-tests failed (make test-lab); fix the lab first", flush=True)
+            tally.add(0, 1, failures=["integration: not run, the lab is broken"])
+        else:
+            timed(tally, "integration", run_pytest, "integration", ["tests/integration"],
+                  ["--ignore-glob", os.path.join(REPO, LAB_TESTS)] + parallel, repeat)
+    if beside is not None:
+        join_beside(tally, beside)
+    if args.tally_json:
+        with open(args.tally_json, "w") as handle:
+            json.dump({"passed": tally.passed, "failed": tally.failed, "skipped": tally.skipped,
+                       "failures": tally.failures, "times": tally.times}, handle)
+        return
+    if set(stages) >= set(("unit", "lab", "integration")):
         check_reliability(tally)
+    print_slowest(tally)
     elapsed = time.monotonic() - start
     banner("summary")
     for stage, seconds in tally.times:

@@ -13,7 +13,7 @@ KILL = 5000   # clock ticks: what started before was there before the kill
 
 
 def killed(pid, ppid, cgroup="0::/lxc/101/ns\n"):
-    return {"pid": pid, "ppid": ppid, "cgroup": procscan.parse_cgroup(cgroup)}
+    return {"pid": pid, "ppid": ppid, "name": "python3", "cgroup": procscan.parse_cgroup(cgroup)}
 
 
 def watch_of(proc, *records, targets=(0,)):
@@ -128,3 +128,17 @@ def test_a_pid_that_still_contradicts_nvml_after_the_second_read_is_distrusted(p
     engine.start()
     report = engine.snapshot([0])
     assert report.untrusted_pids == [10] and report.holders == []
+
+
+def test_the_same_program_still_starting_under_the_same_parent_is_a_respawn_at_the_windows_end(proc):
+    """A real CUDA program takes seconds before it maps: at the window's end, a new child named like the killed
+    holder under the same parent is a respawn; a new child of another name (the loop's sleep) is not."""
+    proc.add(40, comm="sh", ppid=1)
+    watch = watch_of(proc, killed(50, 40))
+    proc.add(51, comm="sleep", ppid=40, starttime=KILL + 2)
+    assert watch.poll() is None and watch.starting_again() is None
+    proc.add(52, comm="python3", ppid=40, starttime=KILL + 20)          # importing torch: nothing mapped yet
+    assert watch.poll() is None and sorted(watch.pending) == [51, 52]
+    found = watch.starting_again()
+    assert (found["pid"], found["parent_pid"]) == (52, 40) and "still starting" in found["evidence"]
+    assert "still starting (no GPU mapped yet)" in respawn_message(found)

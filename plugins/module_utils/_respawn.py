@@ -65,8 +65,8 @@ class RespawnWatch(object):
         self.known = set(known_pids)
         self.killed = set()
         self.old = set()        # pids seen started before the kill
-        self.parents = {}       # pid -> {pid, name, starttime, chain, unit, cgroup}
-        self.pending = {}       # pid -> stat of a new child that maps no targeted GPU yet
+        self.parents = {}       # pid -> {pid, name, starttime, chain, unit, cgroup, killed_names}
+        self.pending = {}       # pid -> (stat, parent) of a new child that maps no targeted GPU yet
         self.found = None
 
     def add(self, record):

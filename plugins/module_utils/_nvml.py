@@ -220,7 +220,10 @@ class _Helper(object):
                 raise HelperGone("the NVML helper process exited (status %s)" % self.proc.poll())
             self.buffer += chunk
         line, dummy, self.buffer = self.buffer.partition(b"\n")
-        return json.loads(line.decode("utf-8", "replace"))
+        try:
+            return json.loads(line.decode("utf-8", "replace"))
+        except ValueError:
+            raise HelperGone("the NVML helper process answered what is not JSON: %r" % line[:200])
 
     def send(self, request):
         try:
@@ -342,13 +345,18 @@ class Nvml(object):
         helper = self._helper
         request = {"fn": name, "args": [_to_helper(a) for a in args],
                    "kwargs": dict((k, _to_helper(v)) for k, v in kwargs.items())}
+        answer = None
         try:
             helper.send(request)
             answer = helper.read_line(self.timeout)
         except HelperGone as exc:
-            helper.kill()
-            self._helper = None
             raise NvmlFailure("%s: %s" % (label, exc), kind="error")
+        finally:
+            # No answer read (a hang, a dead helper, or anything raised meanwhile, such as a signal
+            # handler's exception): its answer may still come, so this helper never serves again.
+            if answer is None:
+                helper.kill()
+                self._helper = None
         if answer is None:
             helper.kill()
             self._helper = None

@@ -129,6 +129,7 @@ class BoundedReader(object):
         with self._lock:
             if self._proc is None:
                 self._start()
+            answered = False
             try:
                 self._proc.stdin.write(path.encode() + b"\n")
                 self._proc.stdin.flush()
@@ -138,15 +139,20 @@ class BoundedReader(object):
                     code, length = _HEADER.unpack(head)
                     data = self._exactly(length, end) if length else b""
                     if data is not None:
+                        answered = True
                         if code:
                             raise OSError(code, os.strerror(code), path)
                         return data
-            except (OSError, ValueError) as exc:
-                if isinstance(exc, OSError) and exc.filename == path:
+            except (OSError, ValueError):
+                if answered:
                     raise
                 self._abandon()
                 return _direct_read(path)
-            self._abandon()
+            finally:
+                # A timeout, or anything raised between the request and its whole answer (a signal
+                # handler's exception, say): the answer may still come, so this helper never serves again.
+                if not answered:
+                    self._abandon()
         if key is not None:
             self.blocked[key] = blocked_info(key[1], key[0], path, self.timeout)
         raise ReadBlocked(path, key[1] if key else None)

@@ -175,3 +175,25 @@ def test_another_v2_error_is_a_failure_not_a_fallback():
     with pytest.raises(NvmlFailure) as failure:
         nvml.memory(0)
     assert failure.value.kind == "error" and not nvml.v2_missing
+
+
+class Interrupted(Exception):
+    """Stands for an exception a signal handler raises mid-call (gpu_release's hard stop)."""
+
+
+def test_a_call_interrupted_before_its_answer_never_answers_the_next_call(isolated, monkeypatch):
+    from ansible_collections.gpuops.fleet.plugins.module_utils import _nvml
+    nvml = isolated()
+    nvml.init()
+    first = nvml._helper.proc
+    read_line = _nvml._Helper.read_line
+
+    def interrupted(self, timeout):
+        raise Interrupted()
+    monkeypatch.setattr(_nvml._Helper, "read_line", interrupted)
+    with pytest.raises(Interrupted):
+        nvml.count()                       # its answer, 2, is left in the pipe
+    monkeypatch.setattr(_nvml._Helper, "read_line", read_line)
+    assert nvml.processes(0) == [{"pid": 42, "used_mib": 7}]
+    assert first.poll() is not None and nvml.helpers_started == 2
+    nvml.shutdown()

@@ -62,3 +62,31 @@ def test_other_proc_files_are_read_directly(proc, reader):
     proc.add(500, comm="python3")
     assert procscan.read_stat(500, proc.root)["comm"] == "python3"
     assert reader.started == 0
+
+
+class Interrupted(Exception):
+    """Stands for an exception a signal handler raises mid-read (gpu_release's hard stop)."""
+
+
+def test_a_read_interrupted_before_its_answer_never_answers_the_next_read(proc, reader, monkeypatch):
+    proc.add(600, comm="python3", maps=ctx(0))
+    proc.add(601, comm="python3", maps=ctx(1))
+    late = block(proc, 600, "maps")                 # the helper waits in open() until a writer comes
+    wait_for_answer = reader._exactly
+
+    def interrupted(count, end):
+        raise Interrupted()
+    monkeypatch.setattr(reader, "_exactly", interrupted)
+    with pytest.raises(Interrupted):
+        procscan.read_bytes(late)
+    monkeypatch.setattr(reader, "_exactly", wait_for_answer)
+    try:                                            # the first request's answer, should its helper still wait
+        fifo = os.open(late, os.O_WRONLY | os.O_NONBLOCK)
+    except OSError:
+        fifo = None                                 # nobody waits on it: that helper is gone
+    if fifo is not None:
+        os.write(fifo, b"stale answer\n")
+        os.close(fifo)
+    answer = procscan.read_bytes(os.path.join(proc.root, "601", "maps"))
+    assert b"/dev/nvidia1" in answer and b"stale" not in answer
+    assert reader.started == 2 and reader.blocked == {}

@@ -95,6 +95,7 @@ sys.stdout.flush()
 for line in sys.stdin:
     request = json.loads(line)
     name = request["fn"]
+    answer = {}
     try:
         if name == "nvmlDeviceGetHandleByIndex":
             index = request["args"][0]
@@ -110,6 +111,7 @@ for line in sys.stdin:
         answer = {"nvml_error": getattr(exc, "value", None), "text": str(exc)}
     except Exception as exc:
         answer = {"error": "%s: %s" % (type(exc).__name__, exc)}
+    answer["id"] = request.get("id")
     sys.stdout.write(json.dumps(answer) + "\n")
     sys.stdout.flush()
 """
@@ -225,6 +227,18 @@ class _Helper(object):
         except ValueError:
             raise HelperGone("the NVML helper process answered what is not JSON: %r" % line[:200])
 
+    def read_answer(self, request_id, timeout):
+        """The answer to request_id, None when timeout passed first. An answer to an earlier request
+        (one whose caller gave up) is skipped, never taken for this one."""
+        end = time.monotonic() + timeout
+        while True:
+            answer = self.read_line(max(0.0, end - time.monotonic()))
+            if answer is None or answer.get("id") == request_id:
+                return answer
+            if not isinstance(answer.get("id"), int) or answer["id"] > request_id:
+                raise HelperGone("the NVML helper process answered request %r to request %d"
+                                 % (answer.get("id"), request_id))
+
     def send(self, request):
         try:
             self.proc.stdin.write((json.dumps(request) + "\n").encode())
@@ -268,6 +282,7 @@ class Nvml(object):
         self._worker = None
         self._helper = None
         self.helpers_started = 0
+        self.requests = 0        # request ids: an answer names the request it answers
         self.hangs = 0
         self.wedged = None       # message once NVML is considered wedged
         self.failed = {}         # index -> NvmlFailure (lost or hung GPU)
@@ -343,12 +358,13 @@ class Nvml(object):
 
     def _ask(self, label, name, args, kwargs):
         helper = self._helper
-        request = {"fn": name, "args": [_to_helper(a) for a in args],
+        self.requests += 1
+        request = {"id": self.requests, "fn": name, "args": [_to_helper(a) for a in args],
                    "kwargs": dict((k, _to_helper(v)) for k, v in kwargs.items())}
         answer = None
         try:
             helper.send(request)
-            answer = helper.read_line(self.timeout)
+            answer = helper.read_answer(request["id"], self.timeout)
         except HelperGone as exc:
             raise NvmlFailure("%s: %s" % (label, exc), kind="error")
         finally:

@@ -29,15 +29,16 @@ READ_TIMEOUT_S = 3.0
 # Reads that take the target's memory-map lock (maps, and cmdline/environ through its memory): a process stuck in
 # the kernel can hold that lock, or make readers queue behind it, forever, and no signal ends the read.
 MM_LOCK_READ_RE = re.compile(r"/(\d+)/(?:task/\d+/)?(?:maps|cmdline|environ)$")
-_HEADER = struct.Struct("<iI")  # errno (0: read), length of the data that follows
+_HEADER = struct.Struct("<IiI")  # request id, errno (0: read), length of the data that follows
 
-# Runs in the reader process: a path per line on stdin, a header and the data (or the errno) on stdout.
+# Runs in the reader process: "ID PATH" per line on stdin, a header and the data (or the errno) on stdout.
 READER_SOURCE = r"""
 import os, struct, sys
-header = struct.Struct("<iI")
+header = struct.Struct("<IiI")
 out = sys.stdout.buffer
 for line in sys.stdin.buffer:
-    path = line.rstrip(b"\n")
+    request, dummy, path = line.rstrip(b"\n").partition(b" ")
+    request = int(request)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         try:
@@ -50,9 +51,9 @@ for line in sys.stdin.buffer:
         finally:
             os.close(fd)
         data = b"".join(chunks)
-        out.write(header.pack(0, len(data)) + data)
+        out.write(header.pack(request, 0, len(data)) + data)
     except OSError as exc:
-        out.write(header.pack(exc.errno or 5, 0))
+        out.write(header.pack(request, exc.errno or 5, 0))
     out.flush()
 """
 
@@ -80,6 +81,14 @@ def _direct_read(path):
         os.close(fd)
 
 
+class _HelperFailed(Exception):
+    """The reader process died or broke its pipe before answering."""
+
+    def __init__(self, reason):
+        Exception.__init__(self, reason)
+        self.reason = reason
+
+
 class BoundedReader(object):
     """Reads files that may block in the kernel in a helper process, waiting at most `timeout` per process.
 
@@ -94,6 +103,7 @@ class BoundedReader(object):
         self._proc = None
         self._lock = threading.Lock()
         self.started = 0
+        self.requests = 0       # request ids: an answer names the request it answers
 
     def _start(self):
         self._proc = helperproc.spawn(READER_SOURCE, python_flags=["-S"])
@@ -122,40 +132,60 @@ class BoundedReader(object):
         return data
 
     def read(self, path):
+        """The file's bytes, read by the helper within `timeout`. A helper that dies or breaks its pipe is
+        replaced once; a second failure is an OSError (EIO): the read is never done unbounded here."""
         found = MM_LOCK_READ_RE.search(path)
         key = (path[:found.start()], int(found.group(1))) if found else None
         if key in self.blocked:
             raise ReadBlocked(path, key[1])
         with self._lock:
-            if self._proc is None:
-                self._start()
-            answered = False
-            try:
-                self._proc.stdin.write(path.encode() + b"\n")
-                self._proc.stdin.flush()
-                end = time.monotonic() + self.timeout
-                head = self._exactly(_HEADER.size, end)
-                if head is not None:
-                    code, length = _HEADER.unpack(head)
-                    data = self._exactly(length, end) if length else b""
-                    if data is not None:
-                        answered = True
-                        if code:
-                            raise OSError(code, os.strerror(code), path)
-                        return data
-            except (OSError, ValueError):
-                if answered:
-                    raise
-                self._abandon()
-                return _direct_read(path)
-            finally:
-                # A timeout, or anything raised between the request and its whole answer (a signal
-                # handler's exception, say): the answer may still come, so this helper never serves again.
-                if not answered:
-                    self._abandon()
+            for attempt in (1, 2):
+                try:
+                    data = self._ask(path)
+                except _HelperFailed as exc:
+                    if attempt == 2:
+                        raise OSError(errno.EIO, "the /proc reader process failed twice (%s)" % exc.reason)
+                    continue
+                if data is not None:
+                    return data
+                break
         if key is not None:
             self.blocked[key] = blocked_info(key[1], key[0], path, self.timeout)
         raise ReadBlocked(path, key[1] if key else None)
+
+    def _ask(self, path):
+        """The helper's answer (bytes), or None when it did not come within timeout; an errno answer is
+        raised as OSError. A helper without a whole answer is abandoned, whatever ended the wait."""
+        if self._proc is None:
+            self._start()
+        answered = False
+        self.requests = request = (self.requests + 1) & 0xFFFFFFFF
+        try:
+            self._proc.stdin.write(b"%d " % request + path.encode() + b"\n")
+            self._proc.stdin.flush()
+            end = time.monotonic() + self.timeout
+            while True:
+                head = self._exactly(_HEADER.size, end)
+                if head is None:
+                    return None
+                answer_to, code, length = _HEADER.unpack(head)
+                data = self._exactly(length, end) if length else b""
+                if data is None:
+                    return None
+                if answer_to == request:
+                    break
+                # an answer to an earlier request whose caller gave up: never this one's
+            answered = True
+        except (OSError, ValueError) as exc:
+            raise _HelperFailed(str(exc))
+        finally:
+            # A timeout, or anything raised between the request and its whole answer (a signal
+            # handler's exception, say): the answer may still come, so this helper never serves again.
+            if not answered:
+                self._abandon()
+        if code:
+            raise OSError(code, os.strerror(code), path)
+        return data
 
     def blocked_in(self, proc_root):
         """Blocked processes under proc_root that still exist (same start time), by pid."""

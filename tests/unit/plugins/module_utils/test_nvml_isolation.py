@@ -197,3 +197,12 @@ def test_a_call_interrupted_before_its_answer_never_answers_the_next_call(isolat
     assert nvml.processes(0) == [{"pid": 42, "used_mib": 7}]
     assert first.poll() is not None and nvml.helpers_started == 2
     nvml.shutdown()
+
+
+def test_an_answer_to_an_earlier_request_is_skipped(isolated):
+    nvml = isolated()
+    nvml.init()
+    nvml._helper.send({"id": 0, "fn": "nvmlDeviceGetCount", "args": [], "kwargs": {}})   # answered, never read
+    assert nvml.processes(0) == [{"pid": 42, "used_mib": 7}] and nvml.count() == 2
+    assert nvml.helpers_started == 1
+    nvml.shutdown()

@@ -4,6 +4,7 @@ A FIFO stands in for a /proc file whose read never returns: opening it waits for
 that never comes. The lab test test_faults_nvml.py blocks a real /proc/PID/cmdline.
 """
 
+import errno
 import os
 import time
 
@@ -90,3 +91,29 @@ def test_a_read_interrupted_before_its_answer_never_answers_the_next_read(proc, 
     answer = procscan.read_bytes(os.path.join(proc.root, "601", "maps"))
     assert b"/dev/nvidia1" in answer and b"stale" not in answer
     assert reader.started == 2 and reader.blocked == {}
+
+
+def test_an_answer_to_an_earlier_request_is_skipped(proc, reader):
+    proc.add(610, comm="python3", maps=ctx(0))
+    proc.add(611, comm="python3", maps=ctx(1))
+    assert b"/dev/nvidia0" in procscan.read_bytes(os.path.join(proc.root, "610", "maps"))
+    stale = os.path.join(proc.root, "610", "maps").encode()
+    reader._proc.stdin.write(b"%d %s\n" % (reader.requests - 1, stale))   # answered, never read
+    reader._proc.stdin.flush()
+    answer = procscan.read_bytes(os.path.join(proc.root, "611", "maps"))
+    assert b"/dev/nvidia1" in answer and b"/dev/nvidia0" not in answer and reader.started == 1
+
+
+def test_a_dead_reader_is_replaced_once_and_never_read_around(proc, reader, monkeypatch):
+    proc.add(620, comm="python3", maps=ctx(0))
+    path = os.path.join(proc.root, "620", "maps")
+    procscan.read_bytes(path)
+    reader._proc.kill()
+    reader._proc.wait()
+    assert b"/dev/nvidia0" in procscan.read_bytes(path) and reader.started == 2
+    reader.close()
+    monkeypatch.setattr(procscan, "READER_SOURCE", "import sys; sys.exit(0)")   # a reader that cannot answer
+    with pytest.raises(OSError) as failed:
+        procscan.read_bytes(path)
+    assert failed.value.errno == errno.EIO and "failed twice" in str(failed.value) and reader.started == 4
+    assert reader.blocked == {}

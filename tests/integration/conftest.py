@@ -45,3 +45,6 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if any(name == "clean" or "lab" in name for name in getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.lab)
+    # Files with a `slow` test first: parallel workers (make test) then end together, not on one long file.
+    slow_files = set(item.path for item in items if item.get_closest_marker("slow") is not None)
+    items.sort(key=lambda item: item.path not in slow_files)

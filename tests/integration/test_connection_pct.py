@@ -444,7 +444,7 @@ def lab_status(lab):
 
 def node_sshd(lab, node):
     """Host pid of the node's listening sshd (it runs in the node's own pid namespace, below the node's init)."""
-    config = '/nodes/%s/sshd_config' % node
+    config = os.path.join(lab.state, 'nodes', node, 'sshd_config')   # this lab's: another worker's may run beside
     for name in os.listdir('/proc'):
         if not name.isdigit():
             continue

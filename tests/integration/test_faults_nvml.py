@@ -68,16 +68,19 @@ def frozen_tasks(lab):
     return out
 
 
-def module_processes():
-    """Host pids of AnsiballZ module processes still around (gpu_status / gpu_release)."""
+def module_processes(lab):
+    """Host pids of this lab's AnsiballZ module processes still around (gpu_status / gpu_release);
+    another lab's, in a parallel worker, are not this test's."""
+    ours = "/gpuops-lab-%s/" % lab.lab_id
     out = []
     for name in os.listdir("/proc"):
         if name.isdigit():
             try:
                 comm = open("/proc/%s/cmdline" % name, "rb").read(4096)
+                cgroup = open("/proc/%s/cgroup" % name).read()
             except OSError:
                 continue
-            if b"AnsiballZ_gpu_" in comm:
+            if b"AnsiballZ_gpu_" in comm and ours in cgroup:
                 out.append(int(name))
     return out
 
@@ -103,7 +106,7 @@ def assert_task_gone_and_hang_real(lab, play):
     """The hang was in the 'kernel' (a frozen thread in D), and no module process outlived the task."""
     tasks = frozen_tasks(lab)
     assert tasks and set(tasks.values()) == {"D"}, "the lab's hang was not uninterruptible: %s" % tasks
-    assert module_processes() == [], "a module process outlived its task"
+    assert module_processes(lab) == [], "a module process outlived its task"
     assert play.seconds < 45, play.seconds
 
 

@@ -44,6 +44,7 @@ def fleet_release(lab):
         lab.reset()
 
 
+@pytest.mark.slow   # every kind of stuck workload in one fleet release: over a minute
 def test_every_kind_of_stuck_workload_is_released(fleet_release):
     first = fleet_release["first"]
     assert first.rc == 0, first

@@ -4,7 +4,8 @@
 
 NVML calls and /proc reads that can block for ever run in a child Python that
 holds none of this process's files (not Ansible's pipes, not the GPU locks),
-so that giving up on it means killing and abandoning it.
+so that giving up on it means killing and abandoning it. Commands that may hang
+in the driver (nvidia-smi --gpu-reset, pct) run the same way: run_bounded().
 """
 
 from __future__ import annotations
@@ -37,3 +38,43 @@ def abandon(proc):
         proc.wait(0.2)
     except subprocess.TimeoutExpired:
         proc.returncode = -signal.SIGKILL  # init reaps it once the call returns
+
+
+KILL_WAIT_S = 2.0   # after SIGKILL, how long a timed-out command is waited for before it is abandoned
+
+
+def _kill_session(proc):
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def run_bounded(cmd, timeout, env=None, kill_wait=KILL_WAIT_S):
+    """(returncode, output text) of cmd, run in a session of its own, stdout and stderr together.
+
+    When it has not ended within timeout, its session is SIGKILLed and it is waited for at most
+    kill_wait (one stuck in the kernel dies only when its call returns), then abandoned, and
+    subprocess.TimeoutExpired is raised. Whatever else ends the wait (a signal handler's exception)
+    does the same before it goes on.
+    """
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            close_fds=True, start_new_session=True, env=env)
+    finished = False
+    try:
+        out = proc.communicate(timeout=timeout)[0]
+        finished = True
+    except subprocess.TimeoutExpired:
+        raise subprocess.TimeoutExpired(cmd, timeout)
+    finally:
+        if not finished:
+            _kill_session(proc)
+            try:
+                proc.wait(kill_wait)
+            except subprocess.TimeoutExpired:
+                proc.returncode = -signal.SIGKILL  # abandoned: init reaps it once the call returns
+            try:
+                proc.stdout.close()
+            except (OSError, ValueError):
+                pass
+    return proc.returncode, out.decode("utf-8", "replace")

@@ -17,6 +17,7 @@ import stat as stat_mod
 import subprocess
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
@@ -863,16 +864,16 @@ class Releaser(object):
             timeout = max(1.0, min(self.reset_timeout, left if left is not None else self.reset_timeout))
             env = dict(os.environ, LC_ALL="C")
             try:
-                proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout, env=env,
-                                      universal_newlines=True, check=False)
-                text = " ".join(proc.stdout.split())[:300]
-                if proc.returncode == 0:
+                returncode, out = helperproc.run_bounded(cmd, timeout, env=env)
+                text = " ".join(out.split())[:300]
+                if returncode == 0:
                     self.reset_done = True
                     self._record(fake, "reset", "done: %s" % (text or "nvidia-smi --gpu-reset succeeded"))
                 else:
-                    self._record(fake, "reset", "failed (rc %d): %s" % (proc.returncode, text))
+                    self._record(fake, "reset", "failed (rc %d): %s" % (returncode, text))
             except subprocess.TimeoutExpired:
-                self._record(fake, "reset", "failed: nvidia-smi --gpu-reset did not return within %gs" % timeout)
+                self._record(fake, "reset", "failed: nvidia-smi --gpu-reset did not return within %gs (killed, "
+                             "abandoned after %gs if stuck)" % (timeout, helperproc.KILL_WAIT_S))
             except OSError as exc:
                 self._record(fake, "reset", "failed: %s" % exc)
             self.engine.start()

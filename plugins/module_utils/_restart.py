@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 
 PCT_DIRS = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
@@ -56,14 +57,13 @@ class PctBackend(object):
         cmd = [self.pct, action, str(vmid)]
         started = time.monotonic()
         try:
-            proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
-                                  timeout=timeout, env=dict(os.environ, LC_ALL="C"), check=False)
+            returncode, out = helperproc.run_bounded(cmd, timeout, env=dict(os.environ, LC_ALL="C"))
         except subprocess.TimeoutExpired:
             return {"task": " ".join(cmd), "ok": False, "seconds": round(time.monotonic() - started, 3),
                     "text": "did not return within %gs" % timeout}
-        text = " ".join(proc.stdout.split())[:400]
-        return {"task": " ".join(cmd), "ok": proc.returncode == 0, "seconds": round(time.monotonic() - started, 3),
-                "text": text if proc.returncode == 0 else "exit %d: %s" % (proc.returncode, text)}
+        text = " ".join(out.split())[:400]
+        return {"task": " ".join(cmd), "ok": returncode == 0, "seconds": round(time.monotonic() - started, 3),
+                "text": text if returncode == 0 else "exit %d: %s" % (returncode, text)}
 
     def stop(self, vmid, timeout):
         return self._run("stop", vmid, timeout)

@@ -21,6 +21,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as
 
 _GONE = (errno.ENOENT, errno.ESRCH)
 DELETED = " (deleted)"
+PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread (an empty maps file does not say so)
 NVIDIA_MAJOR = 195       # /dev/nvidiaN is 195:N; 254 is nvidia-modeset, 255 nvidiactl
 SOCKET_PREFIX = "socket:["
 
@@ -278,6 +279,7 @@ def parse_stat(text):
         "ppid": int(fields[1]),
         "pgrp": int(fields[2]),
         "session": int(fields[3]),
+        "flags": int(fields[6]),
         "num_threads": int(fields[17]),
         "starttime": int(fields[19]),
     }
@@ -557,8 +559,9 @@ def _scan_pids(proc_root, devices, pids, result):
                     maps = None
             elif maps is None:
                 result.unreadable.append(pid)
-            else:
-                continue  # no address space: kernel thread
+            elif stat["flags"] & PF_KTHREAD:
+                continue
+            # else a user process without mappings (one exiting, say): its open files still count
         map_counts = parse_maps_counts(maps, devices) if maps and marker in maps else {}
         mapped = sorted(map_counts)
         sockets = []

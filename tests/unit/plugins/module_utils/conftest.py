@@ -51,7 +51,7 @@ class ProcTree(object):
 
     def add(self, pid, comm="python3", state="S", ppid=1, threads=1, starttime=1000, maps=(), fds=(),
             argv=None, nspid=None, uid=0, cgroup="0::/lxc/101/ns\n", tasks=None, raw_maps=None, pgrp=None,
-            session=None, netns=None, tcp=()):
+            session=None, netns=None, tcp=(), flags=4194560):
         base = os.path.join(self.root, str(pid))
         os.makedirs(os.path.join(base, "fd"))
         self._ids = (pgrp or pid, session or pid)
@@ -65,6 +65,7 @@ class ProcTree(object):
                 f.write("  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode\n")
                 for slot, (inode, local, remote) in enumerate(tcp):
                     f.write(tcp_line(slot, inode, local, remote) + "\n")
+        self._flags = flags
         self._task_files(base, pid, comm, state, ppid, threads, starttime, maps, fds, raw_maps)
         with open(os.path.join(base, "status"), "w") as f:
             f.write("Name:\t%s\nUmask:\t0022\nState:\t%s (%s)\nTgid:\t%d\nNgid:\t0\nPid:\t%d\nPPid:\t%d\n"
@@ -95,9 +96,9 @@ class ProcTree(object):
     def _task_files(self, base, pid, comm, state, ppid, threads, starttime, maps, fds, raw_maps):
         with open(os.path.join(base, "stat"), "w") as f:
             pgrp, session = getattr(self, "_ids", (pid, pid))
-            f.write("%d (%s) %s %d %d %d 0 -1 4194560 100 0 0 0 5 3 0 0 20 0 %d 0 %d 1000000 200 "
+            f.write("%d (%s) %s %d %d %d 0 -1 %d 100 0 0 0 5 3 0 0 20 0 %d 0 %d 1000000 200 "
                     "18446744073709551615 1 1 0 0 0 0 0 16781312 0 0 0 17 1 0 0 0 0 0\n"
-                    % (pid, comm, state, ppid, pgrp, session, threads, starttime))
+                    % (pid, comm, state, ppid, pgrp, session, getattr(self, "_flags", 4194560), threads, starttime))
         with open(os.path.join(base, "maps"), "w") as f:
             f.write(raw_maps if raw_maps is not None else (maps_lines(maps) if maps or state != "Z" else ""))
         for i, target in enumerate(fds):

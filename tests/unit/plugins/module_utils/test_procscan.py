@@ -11,7 +11,7 @@ def test_parse_stat_with_parentheses_and_spaces_in_comm():
     text = "812 (tp worker) (1)) D 700 812 812 0 -1 4194560 1 0 0 0 5 3 0 0 20 0 18 0 123456 1 1\n"
     stat = procscan.parse_stat(text)
     assert stat == {"pid": 812, "comm": "tp worker) (1)", "state": "D", "ppid": 700, "pgrp": 812, "session": 812,
-                    "num_threads": 18, "starttime": 123456}
+                    "flags": 4194560, "num_threads": 18, "starttime": 123456}
 
 
 def test_parse_status_nspid_uid_threads():
@@ -63,7 +63,7 @@ def test_scan_finds_rows_4_5_6_and_tells_clients(proc):
     proc.add(13, state="Z", threads=3, tasks=tasks)                     # defunct leader (row 4)
     proc.add(20, comm="nvidia-smi", fds=["/dev/nvidia0", CTL, UVM, "/dev/nvidia-caps/nvidia-cap1"])  # client (row 8)
     proc.add(30, comm="zombie", state="Z", threads=1, ppid=10)          # one-thread zombie (row 3)
-    proc.add(2, comm="kthreadd", raw_maps="")                           # kernel thread
+    proc.add(2, comm="kthreadd", raw_maps="", flags=0x208040)           # kernel thread (PF_KTHREAD)
     proc.add(40, comm="bash", fds=["/dev/pts/0", "/tmp/nvidia0"])       # unrelated
     result = procscan.scan(proc.root, DEVS)
     assert sorted(result.entries) == [10, 11, 12, 13, 20]
@@ -74,6 +74,15 @@ def test_scan_finds_rows_4_5_6_and_tells_clients(proc):
     assert e[13].map_devices == sorted(gpu0)
     assert not e[20].is_holder and e[20].map_devices == [] and "/dev/nvidia0" in e[20].fd_devices
     assert result.zombies == [{"pid": 30, "ppid": 10, "comm": "zombie"}]
+
+
+def test_a_kernel_thread_is_known_by_its_flag_not_by_empty_maps(proc):
+    gpu0 = ["/dev/nvidia0", CTL, UVM]
+    proc.add(2, comm="kthreadd", raw_maps="", flags=0x208040, fds=gpu0)    # PF_KTHREAD: never read further
+    proc.add(60, comm="python3", state="R", raw_maps="", fds=gpu0)         # exiting: mappings gone, files open
+    result = procscan.scan(proc.root, DEVS)
+    assert sorted(result.entries) == [60] and result.entries[60].fd_devices == sorted(gpu0)
+    assert procscan.read_stat(2, proc.root)["flags"] & procscan.PF_KTHREAD
 
 
 def test_scan_skips_given_pids(proc):

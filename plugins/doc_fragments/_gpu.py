@@ -43,7 +43,8 @@ options:
         free, and without this option such a GPU fails as C(memory unverifiable on this driver) (gpu_release then
         signals nothing and never resets it).
       - When set, C(used) is v1 C(used) minus this many MiB, and the result says that it was estimated
-        (C(memory.estimated), a diagnosis line). Use the v1 C(used) of an idle GPU of the same model and driver.
+        (C(memory.estimated), a diagnosis line); gpu_release then says C(free by estimate), never C(verified free).
+        Use the v1 C(used) of an idle GPU of the same model and driver.
       - Ignored when the v2 call exists. Must be 0 or more.
     type: int
   redact:

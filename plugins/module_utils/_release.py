@@ -883,6 +883,16 @@ class Releaser(object):
         return bool(self.signalled) or self.reset_done or bool(self.restarted)
 
 
+ESTIMATE_WHY = "this driver has no v2 memory call; used is v1 used minus reserved_floor_mib"
+
+
+def free_words(report):
+    """How a free reading may be called: "verified free" only from a v2 reading of every targeted GPU."""
+    if any((g.get("memory") or {}).get("estimated") for g in report.gpus):
+        return "free by estimate (%s), not verified" % ESTIMATE_WHY
+    return "verified free"
+
+
 def _now_ticks(proc_root="/proc"):
     """Now, in the clock ticks since boot that /proc/PID/stat's starttime uses.
 
@@ -1042,7 +1052,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             result["diagnosis"] = list(before.diagnosis)
             return finish(True, "NVML failed, nothing was signalled: " + msg, before, None)
         if targets_free(before, scope):
-            return finish(False, "every targeted GPU is already free" if before.all_free else
+            estimate = "" if free_words(before) == "verified free" else " (by estimate: %s)" % ESTIMATE_WHY
+            return finish(False, "every targeted GPU is already free" + estimate if before.all_free else
                           "nothing of %s holds the targeted GPUs (shared_gpu: own)" % releaser.scope.describe(), before, before)
         releaser.prepare(before)
         if releaser.refusals:
@@ -1062,8 +1073,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
     if releaser.failure:
         return finish(True, releaser.failure, before, after)
     if targets_free(after, scope):
-        return finish(False, "verified free" if after.all_free else
-                      "verified free of %s (shared_gpu: own)" % releaser.scope.describe(), before, after)
+        words = free_words(after)
+        return finish(False, words if after.all_free else
+                      "%s of %s (shared_gpu: own)" % (words, releaser.scope.describe()), before, after)
     busy = [g for g in after.gpus if not (free_for_scope(after, g, scope) if scope else g["free"])]
     tried = ", ".join("%s to %d: %s" % (a["signal"], a["pid"], a["outcome"]) if a["pid"] else
                       "%s %s: %s" % (a["signal"], a["name"], a["outcome"]) for a in releaser.actions) or "nothing"

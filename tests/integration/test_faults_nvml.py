@@ -169,6 +169,7 @@ def test_no_v2_call_with_reserved_floor_is_an_estimate(lab, fault):
     assert any("GPU 1: memory estimated, not measured" in line for line in play["diagnosis"])
     release = bounded_play(lab, "ct101", "gpu_release", {"gpus": [1], "reserved_floor_mib": 615})
     assert not release.failed and release["changed"] is True, release
+    assert release["msg"].startswith("free by estimate") and "verified free" not in release["msg"], release
     assert lab.used(1) == 0 and not host_alive(run["holders"][0])
 
 

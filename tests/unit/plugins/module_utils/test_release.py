@@ -590,3 +590,25 @@ def test_two_keys_naming_one_lock_file_do_not_wait_on_each_other(tmp_path):
             GpuLocks(str(tmp_path / "locks")).acquire(["GPU-a_b"], 0.2)
     finally:
         locks.release()
+
+
+def test_a_v1_estimate_is_free_by_estimate_never_verified_free(lab, tmp_path):
+    from fake_nvml import NVMLError
+    v2 = lab.fake.nvmlDeviceGetMemoryInfo
+
+    def v1_only(handle, version=None):   # a driver without the v2 memory call
+        if version:
+            raise NVMLError(13)
+        return v2(handle)
+    lab.fake.nvmlDeviceGetMemoryInfo = v1_only
+    pid = lab.start("plain")
+
+    def engine():
+        made = Engine(Nvml(2.0, lib=lab.fake, reserved_floor_mib=615), dev_dir=lab.devdir, self_pid=lab.module_proc.pid)
+        made.start()
+        return made
+    failed, msg, result = release(engine(), [0], OPTS, lock_dir=str(tmp_path))
+    assert not failed and not lab.holding(pid) and result["changed"], msg
+    assert msg.startswith("free by estimate (this driver has no v2 memory call") and "verified free" not in msg
+    failed, msg, again = release(engine(), [0], OPTS, lock_dir=str(tmp_path))
+    assert not failed and not again["changed"] and msg.startswith("every targeted GPU is already free (by estimate")

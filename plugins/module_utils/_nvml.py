@@ -20,6 +20,7 @@ reserved floor to subtract (an estimate, said so in the result).
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import select
@@ -289,6 +290,7 @@ class Nvml(object):
         self.handles = {}
         self.initialized = False
         self.v2_missing = False  # NVML without the v2 memory call
+        self.v2_missing_in_library = False  # ... because nvidia-ml-py is too old to ask for it
 
     # -- plumbing
     def _hung(self, label):
@@ -467,6 +469,16 @@ class Nvml(object):
                              "name": None, "error": exc.message, "error_kind": exc.kind})
         return gpus
 
+    def library_has_v2(self):
+        """Whether this nvidia-ml-py can ask for v2 memory (nvmlMemory_v2, and a version= argument)."""
+        call = getattr(self.lib, "nvmlDeviceGetMemoryInfo", None)
+        if call is None or not hasattr(self.lib, "nvmlMemory_v2"):
+            return False
+        try:
+            return "version" in inspect.signature(call).parameters
+        except (TypeError, ValueError):
+            return True   # no signature to read: ask, and let NVML answer
+
     def memory(self, index):
         """MiB: total, used (without the reserved floor), reserved, v1_used, api (v2 or v1_estimated).
 
@@ -474,6 +486,8 @@ class Nvml(object):
         given, NvmlFailure(kind="unverifiable"): v1 used never reads as free (GPU_FACTS row 1).
         """
         handle = self.handle(index)
+        if not self.v2_missing and not self.library_has_v2():
+            self.v2_missing = self.v2_missing_in_library = True
         v1 = self._gpu_call(index, "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetMemoryInfo", handle)
         out = {"total_mib": v1.total // MIB, "v1_used_mib": v1.used // MIB, "used_mib": None,
                "reserved_mib": None, "api": "v2", "estimated": False}
@@ -489,11 +503,13 @@ class Nvml(object):
                 out.update(used_mib=v2.used // MIB, reserved_mib=v2.reserved // MIB)
                 return out
         if self.reserved_floor_mib is None:
+            missing = ("this nvidia-ml-py has no v2 memory call (nvmlDeviceGetMemoryInfo without version=): upgrade "
+                       "nvidia-ml-py, or" if self.v2_missing_in_library else
+                       "NVML has no v2 memory call (nvmlDeviceGetMemoryInfo_v2), and")
             raise NvmlFailure(
-                "memory unverifiable on this driver: NVML has no v2 memory call (nvmlDeviceGetMemoryInfo_v2), and "
-                "v1 used (%d MiB) includes the driver's reserved memory, so it never reads as free; set "
-                "reserved_floor_mib to this GPU model's idle v1 used to estimate it" % out["v1_used_mib"],
-                kind="unverifiable", gpu=index)
+                "memory unverifiable on this driver: %s v1 used (%d MiB) includes the driver's reserved memory, so it "
+                "never reads as free; set reserved_floor_mib to this GPU model's idle v1 used to estimate it"
+                % (missing, out["v1_used_mib"]), kind="unverifiable", gpu=index)
         out.update(used_mib=max(0, out["v1_used_mib"] - self.reserved_floor_mib),
                    reserved_mib=self.reserved_floor_mib, api="v1_estimated", estimated=True)
         return out

@@ -206,3 +206,26 @@ def test_an_answer_to_an_earlier_request_is_skipped(isolated):
     assert nvml.processes(0) == [{"pid": 42, "used_mib": 7}] and nvml.count() == 2
     assert nvml.helpers_started == 1
     nvml.shutdown()
+
+
+class OldLibrary(FakeNvml):
+    """An nvidia-ml-py from before the v2 memory call: no version= argument, no nvmlMemory_v2."""
+
+    def __getattribute__(self, name):
+        if name == "nvmlMemory_v2":
+            raise AttributeError(name)
+        return FakeNvml.__getattribute__(self, name)
+
+    def nvmlDeviceGetMemoryInfo(self, handle):
+        return FakeNvml.nvmlDeviceGetMemoryInfo(self, handle)
+
+
+def test_an_old_nvidia_ml_py_reaches_the_floor_fallback():
+    nvml = Nvml(1.0, lib=OldLibrary([{"minor": 0, "used_mib": 100}]), reserved_floor_mib=600)
+    nvml.init()
+    assert nvml.memory(0)["api"] == "v1_estimated" and nvml.memory(0)["used_mib"] == 115
+    bare = Nvml(1.0, lib=OldLibrary([{"minor": 0, "used_mib": 0}]))
+    bare.init()
+    with pytest.raises(NvmlFailure) as failure:
+        bare.memory(0)
+    assert failure.value.kind == "unverifiable" and "upgrade nvidia-ml-py" in failure.value.message

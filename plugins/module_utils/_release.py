@@ -64,6 +64,21 @@ def find_nvidia_smi(path_env=None):
 COLLATERAL_CHOICES = ("refuse", "stop")
 
 
+def _restart_collateral(holders, targets, tolerance_mib):
+    """[(index, MiB or None)] of the untargeted GPUs a container restart would free: each pinned holder's shares
+    over the tolerance, and, of an unpinned holder, every untargeted GPU it has a context on (size unknown)."""
+    over = {}
+    for record in holders:
+        for index, mib in pinning.untargeted_shares(record, targets, tolerance_mib)[0]:
+            if over.get(index) is None:
+                over[index] = mib
+        if not record["gpus"]:
+            for index in record.get("context_gpus", []) + record.get("ambiguous_gpus", []):
+                if index not in targets:
+                    over.setdefault(index, None)
+    return sorted(over.items())
+
+
 def _mib_list(pairs):
     return ", ".join("GPU %d (%s)" % (index, "an unknown amount" if mib is None else "%d MiB" % mib)
                      for index, mib in pairs)
@@ -648,7 +663,7 @@ class Releaser(object):
             held_mib = sum((g.get("by_container") or {}).get(vmid, 0) for g in report.gpus)
             if not (gpus & targets) and held_mib <= self.engine.threshold_mib:
                 continue
-            over = sorted(set(pair for h in holders for pair in pinning.untargeted_shares(h, targets, self.tolerance_mib)[0]))
+            over = _restart_collateral(holders, targets, self.tolerance_mib)
             entry = {"vmid": int(vmid), "gpus": sorted(gpus), "untargeted_gpus": [i for i, dummy in over],
                      "processes": members.get(vmid, []), "backend": getattr(self.restart_backend, "name", None),
                      "refusal": restart.refusal(self.restart_backend, vmid) if self.restart_backend else None}
@@ -671,8 +686,10 @@ class Releaser(object):
         self._set_rung("container_restart")
         for entry in busy:
             vmid = entry["vmid"]
-            if entry["refusal"]:
-                self.failure = "%s; %s" % (why, entry["refusal"])
+            # the lock and HA state again, right before the stop: a backup may have started since the plan
+            refusal = restart.refusal(self.restart_backend, vmid)
+            if refusal:
+                self.failure = "%s; %s" % (why, refusal)
                 return
             blocked = [(h, t) for h in report.holders if h.get("container") == str(vmid) for t in h["blocked_threads"]]
             stopped = self.restart_backend.stop(vmid, self.container_timeout)

@@ -11,7 +11,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as p
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import (
-    GpuLocks, LockTimeout, decide, find_nvidia_smi, release, send_guarded,
+    GpuLocks, LockTimeout, Releaser, decide, find_nvidia_smi, release, send_guarded,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import Protect, compile_regex
 
@@ -612,3 +612,58 @@ def test_a_v1_estimate_is_free_by_estimate_never_verified_free(lab, tmp_path):
     assert msg.startswith("free by estimate (this driver has no v2 memory call") and "verified free" not in msg
     failed, msg, again = release(engine(), [0], OPTS, lock_dir=str(tmp_path))
     assert not failed and not again["changed"] and msg.startswith("every targeted GPU is already free (by estimate")
+
+
+class StubBackend(object):
+    """A restart backend that records what it is asked; `lock` is the container's lock now."""
+    name = "cli"
+
+    def __init__(self):
+        self.lock, self.calls = None, []
+
+    def lock_of(self, vmid):
+        return self.lock
+
+    def ha_state(self, vmid):
+        return None
+
+    def stop(self, vmid, timeout):
+        self.calls.append(("stop", vmid))
+        return {"task": "pct stop %s" % vmid, "ok": True, "seconds": 0.1, "text": ""}
+
+    def start(self, vmid, timeout):
+        self.calls.append(("start", vmid))
+        return {"task": "pct start %s" % vmid, "ok": True, "seconds": 0.1, "text": ""}
+
+
+class HeldByContainer(object):
+    """An engine whose snapshot shows container 101 holding GPU 0."""
+    proc_root = "/proc"
+
+    def snapshot(self, targets):
+        class Report(object):
+            gpus = [{"index": 0, "free": False, "by_container": {"101": 1000}}]
+            holders = []
+        return Report()
+
+
+def test_the_container_rung_reads_the_lock_again_right_before_the_restart():
+    backend = StubBackend()
+    releaser = Releaser(HeldByContainer(), [0], container_restart=True, restart_backend=backend)
+    releaser.restart_plan = [{"vmid": 101, "refusal": None}]     # planned while the container was unlocked
+    backend.lock = "backup"                                      # a backup started since
+    releaser._restart_containers("respawned by pid 7 (sh)")
+    assert backend.calls == [] and releaser.restarted == []
+    assert releaser.failure.startswith("respawned by pid 7 (sh); container 101 is locked (backup)")
+    backend.lock = None
+    releaser._restart_containers("respawned by pid 7 (sh)")
+    assert backend.calls == [("stop", 101), ("start", 101)] and releaser.failure is None
+
+
+def test_a_container_restart_counts_an_unpinned_holders_other_gpus_as_collateral():
+    from ansible_collections.gpuops.fleet.plugins.module_utils._release import _restart_collateral
+    pinned = {"gpus": [0, 2], "shares_mib": {0: 9000, 2: 5000}, "context_gpus": [0, 2], "ambiguous_gpus": []}
+    unpinned = {"gpus": [], "shares_mib": {}, "context_gpus": [0, 1, 3], "ambiguous_gpus": [], "unattributed": True}
+    assert _restart_collateral([pinned], {0}, 640) == [(2, 5000)]
+    assert _restart_collateral([pinned, unpinned], {0}, 640) == [(1, None), (2, 5000), (3, None)]
+    assert _restart_collateral([unpinned], {0, 1, 3}, 640) == []

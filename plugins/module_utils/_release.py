@@ -1017,6 +1017,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
     if progress is not None:
         progress["releaser"] = releaser
     result = {"changed": False, "actions": releaser.actions, "rung_reached": "none", "plan": [], "lock_wait_s": 0.0,
+              "lock_acquired_at": None,
               "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
               "collateral": [], "jobs": [], "restart_plan": [], "view": engine.view,
               "scope": None if releaser.scope is None else {"containers": sorted(int(c) for c in releaser.scope.containers),
@@ -1060,6 +1061,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             locks.release()
             return True, "%s; nothing was signalled" % exc, dict(result, elapsed_s=round(time.monotonic() - started, 3))
         result["lock_wait_s"] = round(locks.waited_s, 3)
+        result["lock_acquired_at"] = round(time.time(), 3)
     try:
         before = engine.snapshot(targets)
         broken = before.errors

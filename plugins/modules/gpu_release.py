@@ -424,6 +424,14 @@ lock_wait_s:
   returned: always
   type: float
   sample: 0.0
+lock_acquired_at:
+  description:
+    - When this task took the per-GPU locks, in seconds since the epoch (as C(actions[].time)); null when it took none
+      (check mode, or it failed before).
+    - A release that waited for another one took them after that one's last action.
+  returned: always
+  type: float
+  sample: 1764600000.123
 view:
   description: Where the module ran. C(container), C(node) (a Proxmox VE node) or C(host) (any other machine).
   returned: always

@@ -20,6 +20,7 @@ import socket, sys, time
 srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(4)
 sys.stdout.write("%d\n" % srv.getsockname()[1]); sys.stdout.flush()
 conn, dummy = srv.accept()
+sys.stdout.write("accepted\n"); sys.stdout.flush()
 time.sleep(60)
 '''
 
@@ -50,6 +51,7 @@ def test_connected_processes_form_one_job_and_a_bystander_none(procs):
     port = listener.stdout.readline().strip()
     peer = start(procs, PEER, port)
     assert peer.stdout.readline().strip() == "ready"
+    assert listener.stdout.readline().strip() == "accepted"    # its end of the link is an fd only from now on
     bystander = start(procs, "import time; time.sleep(60)")
     records = [record(p.pid) for p in (listener, peer, bystander)]
     assert records[0]["_sockets"] and records[1]["_sockets"]

@@ -27,8 +27,9 @@ $(VENV)/.stamp: requirements-controller.txt requirements-target.txt requirements
 	mkdir -p $(WHEELS) && $(VPY) -m pip download -q -d $(WHEELS) -r requirements-target.txt supervisor proxmoxer requests
 	touch $@
 
+# Every test; each `timing` test 3 times (GPUOPS_TIMING_REPEAT=N to change it).
 test: venv
-	@$(VPY) tests/tools/run_all.py
+	@$(VPY) tests/tools/run_all.py --timing-repeat $${GPUOPS_TIMING_REPEAT:-3}
 
 sanity: venv
 	@$(VPY) tests/tools/run_all.py --only sanity

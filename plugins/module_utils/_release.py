@@ -628,8 +628,10 @@ class Releaser(object):
     def _after_respawn(self):
         """A respawn fails the task; from the node, a planned container restart may still free the GPUs."""
         if self.restart_plan:
-            self.watch = None   # a restart ends the parents too
-            self._restart_containers(self.failure)
+            found, self.watch = self.respawned, None   # a restart ends the parents too
+            # the respawning parent's container, though its new child may not map a GPU yet
+            pids = [found["parent_pid"], found["pid"]] if found else []
+            self._restart_containers(self.failure, [node.container_of_pid(p, self.proc_root) for p in pids])
             if not self.failure:
                 self._verify_wait(self.verify_timeout, [])
 
@@ -677,10 +679,12 @@ class Releaser(object):
             out.append(entry)
         return out
 
-    def _restart_containers(self, why):
-        """Stop and start each planned container that still holds a targeted GPU; sets self.failure when one fails."""
+    def _restart_containers(self, why, respawning=()):
+        """Stop and start each planned container that still holds a targeted GPU, or where a parent respawns its
+        holder (respawning: vmids); sets self.failure when one fails."""
         report = self.engine.snapshot(self.targets)
-        busy = [e for e in self.restart_plan if self._container_holds(report, str(e["vmid"]))]
+        busy = [e for e in self.restart_plan
+                if str(e["vmid"]) in respawning or self._container_holds(report, str(e["vmid"]))]
         if not busy:
             return
         self._set_rung("container_restart")
@@ -803,7 +807,8 @@ class Releaser(object):
         if self.failure:
             return
         if outcome == "free":
-            self._watch_after_verdict()
+            if self._watch_after_verdict():
+                self._after_respawn()   # a child started again after "free": the container rung still applies
             return
         # D-state threads, or memory held by something not signalled: wait up to verify_timeout
         survivors = [r for r in watched if alive(r, self.proc_root)]
@@ -814,7 +819,8 @@ class Releaser(object):
             self._after_respawn()
             return
         if outcome == "free":
-            self._watch_after_verdict()
+            if self._watch_after_verdict():
+                self._after_respawn()   # a child started again after "free": the container rung still applies
             return
         if self.restart_plan:
             self._restart_containers("SIGKILL left the targeted memory held")

@@ -50,7 +50,9 @@ class Play(object):
         return self.result.get(key, default)
 
     def __repr__(self):
-        return "Play(rc=%d, result=%s)\n%s" % (self.rc, json.dumps(self.result, indent=1)[:6000], self.output[-3000:])
+        # msg first: pytest shortens a long explanation, and the message is what says why
+        return "Play(rc=%d, msg=%r, result=%s)\n%s" % (self.rc, self.result.get("msg"),
+                                                       json.dumps(self.result, indent=1)[:6000], self.output[-3000:])
 
 
 class EngineLab(object):

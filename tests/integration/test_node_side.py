@@ -132,8 +132,10 @@ def test_reset_is_refused_inside_a_container_and_while_a_client_runs_on_the_node
 
 
 @pytest.mark.timing
-def test_container_rung_restarts_a_container_whose_launcher_respawns_faster_than_sigkill(clean):
-    run = clean.run("launcher_respawn", 101, [0], mib=900)
+@pytest.mark.parametrize("map_delay", [0, 1.5], ids=["maps_at_once", "maps_after_free"])
+def test_container_rung_restarts_a_container_whose_launcher_respawns_faster_than_sigkill(clean, map_delay):
+    # maps_after_free: the replacement maps only after the GPU read free (a real program needs seconds to start)
+    run = clean.run("launcher_respawn", 101, [0], mib=900, extra=["--respawn-map-delay", map_delay])
     other = clean.run("plain", 102, [0], mib=700)
     args = dict(FAST, gpus=["0"], containers=[101], shared_gpu="own", container_restart=True)
     plan = clean.play("pve1", "gpu_release", args, check_mode=True)

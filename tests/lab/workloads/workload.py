@@ -448,6 +448,8 @@ def run_launcher_respawn(args, reporter):
                 if os.getppid() != launcher:
                     os._exit(1)
                 set_name("gpu_worker")
+                if ready_fd is None and args.respawn_map_delay:
+                    time.sleep(args.respawn_map_delay)   # a replacement, still starting
                 keep = make_contexts(args)
                 if ready_fd is not None:
                     os.write(ready_fd, b"ready\n")
@@ -691,6 +693,9 @@ def parse_args(argv):
     parser.add_argument("--threads", type=int, default=None, help="extra sleeping threads")
     parser.add_argument("--foreground", action="store_true", help="stay in the foreground (supervisord)")
     parser.add_argument("--kill-parent", action="store_true", help="fork_inherit: child SIGKILLs the parent")
+    parser.add_argument("--respawn-map-delay", type=float, default=0.0, metavar="S",
+                        help="launcher_respawn: a replacement worker waits S seconds before it maps its GPU "
+                             "(a real CUDA program needs seconds to start)")
     parser.add_argument("--fake-secret", action="store_true", help="put '--api-key sk-secret' in the cmdline")
     parser.add_argument("--api-key", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help="driver socket (default $NVIDIA_LAB_SOCKET or %s)" % DEFAULT_SOCKET)

@@ -1,5 +1,4 @@
 """Commands that may hang in the driver (nvidia-smi --gpu-reset, pct): run_bounded never waits unbounded."""
-import os
 import signal
 import subprocess
 import time

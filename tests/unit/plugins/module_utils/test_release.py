@@ -115,7 +115,6 @@ def test_stray_context_is_side_effect_one_way_and_refused_the_other(proc):
         p.add(50, maps=ctx(0) + ctx(1) + vis(2) + [CTL, UVM], fds=["/dev/nvidia1"])
     engine, report = recorded(proc, gpus_with({0: [(50, 518)], 1: [(50, 5638)]}), setup)
     assert report.holders[0]["gpus"] == [0, 1] and report.holders[0]["shares_mib"] == {0: 518, 1: 5638}
-    from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser
     releaser = Releaser(engine, [1])
     plan = releaser.prepare(report)
     assert releaser.refusals == [] and plan[0]["side_effect_gpus"] == [{"index": 0, "mib": 518}]
@@ -387,7 +386,6 @@ def test_send_guarded_refuses_a_reused_pid():
 
 
 def test_plan_lists_gpus_for_every_holder(proc):
-    from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser
 
     def setup(p):
         p.add(30, maps=[CTL, UVM], fds=[CTL, UVM])

@@ -9,7 +9,7 @@ COLL_LINK := $(SITE)/ansible_collections/gpuops/fleet
 WHEELS := .cache/wheels
 APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo openssl python3-venv shellcheck lxc lxcfs
 
-.PHONY: all venv system-packages test sanity unit lint test-lab integration test-stress test-respawn demo bench gpu-facts clean lab-down
+.PHONY: all venv system-packages test sanity unit lint test-lab integration test-stress test-deep test-respawn demo bench gpu-facts clean lab-down
 
 all: test
 
@@ -46,6 +46,10 @@ integration: venv
 # The lab's self-tests alone (make test runs them before the integration tests).
 test-lab: venv
 	@$(VPY) tests/tools/run_all.py --only lab
+
+# The decision step's invariants over 100,000 generated worlds (make test runs 2,000).
+test-deep: venv
+	@GPUOPS_WORLDS=100000 $(VPY) -m pytest -q -p no:cacheprovider tests/unit/plugins/module_utils/test_worlds.py
 
 # Every timing-sensitive test (marker `timing`) 20 times in a row: pass rate and slowest run of each.
 test-stress: venv

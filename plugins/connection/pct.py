@@ -405,6 +405,22 @@ options:
     ini:
       - section: pct_connection
         key: lxc_attach_executable
+  transfer_timeout:
+    description:
+      - Seconds a file transfer (put or fetch) may take on the node. C(timeout) there stops C(pct exec) (TERM, then
+        KILL 5 s later) when C(pct) or the container does not finish, and the transfer fails naming this option.
+        V(0) means no limit.
+      - A limit on the node, not only on the controller, since killing the SSH client alone leaves C(pct exec) and
+        the command in the container running on the node.
+    type: int
+    default: 300
+    vars:
+      - name: pct_transfer_timeout
+    env:
+      - name: ANSIBLE_PCT_TRANSFER_TIMEOUT
+    ini:
+      - section: pct_connection
+        key: transfer_timeout
   command_timeout:
     description:
       - Seconds a command may run inside the container before C(timeout) there stops it (TERM, then KILL 5 s later);
@@ -550,8 +566,9 @@ class Connection(SSHConnection):
         self._markers = tuple(marker.encode() for marker in markers)
         return markers
 
-    def _node_command(self, container_script: str) -> str:
-        """One string for the node's POSIX login shell; container_script runs under /bin/sh in the container."""
+    def _node_command(self, container_script: str, node_limit: int = 0) -> str:
+        """One string for the node's POSIX login shell; container_script runs under /bin/sh in the container.
+        node_limit: seconds the node's own C(timeout) allows pct exec (0: none)."""
         node_marker, container_marker, end_marker = self._new_markers()
         env = ' '.join('%s=%s' % pair for pair in CONTAINER_ENV)
         script = "printf '%%s\\n' %s >&2; export %s\n%s" % (container_marker, env, container_script)
@@ -559,7 +576,10 @@ class Connection(SSHConnection):
         limit = self.get_option('command_timeout')
         if limit:
             argv = ['timeout', '-k', '5', str(int(limit))] + argv
-        words = ' '.join(shlex.quote(word) for word in self._node_argv(argv))
+        node_argv = self._node_argv(argv)
+        if node_limit:
+            node_argv = ['timeout', '-k', '5', str(int(node_limit))] + node_argv
+        words = ' '.join(shlex.quote(word) for word in node_argv)
         locale = 'LC_ALL=%s ' % PCT_LOCALE if self.get_option('exec_method') == 'pct' else ''
         return ("printf '%%s\\n' %s >&2; %s%s; rc=$?; printf '%%s %%s\\n' %s \"$rc\" >&2; exit \"$rc\""
                 % (node_marker, locale, words, end_marker))
@@ -827,7 +847,7 @@ class Connection(SSHConnection):
         if not os.path.exists(to_bytes(in_path, errors='surrogate_or_strict')):
             raise AnsibleFileNotFound('file or module does not exist: %s' % to_native(in_path))
         self._ensure_master()
-        remote = self._node_command('cat > %s' % shlex.quote(to_text(out_path)))
+        remote = self._node_command('cat > %s' % shlex.quote(to_text(out_path)), self.get_option('transfer_timeout'))
         cmd = self._build_command(self.get_option('ssh_executable'), 'ssh', self.host, remote)
         return self._retrying(cmd, lambda: self._stream(cmd, in_path, out_path, 'put'))
 
@@ -837,16 +857,18 @@ class Connection(SSHConnection):
         self.host = self.get_option('host') or self._play_context.remote_addr
         display.vvv('FETCH %s TO %s from container %s' % (in_path, out_path, self._vmid()), host=self.host)
         self._ensure_master()
-        remote = self._node_command('exec cat < %s' % shlex.quote(to_text(in_path)))
+        remote = self._node_command('exec cat < %s' % shlex.quote(to_text(in_path)), self.get_option('transfer_timeout'))
         cmd = self._build_command(self.get_option('ssh_executable'), 'ssh', self.host, remote)
         return self._retrying(cmd, lambda: self._stream(cmd, in_path, out_path, 'fetch'))
 
     # -- streaming ----------------------------------------------------------------------------
 
     def _stream(self, cmd: list[bytes], in_path: str, out_path: str, direction: str) -> tuple[int, bytes, bytes]:
+        started = time.monotonic()
         if direction == 'put':
             with open(to_bytes(in_path, errors='surrogate_or_strict'), 'rb') as local_file:
                 rc, stderr, dummy = self._pump(cmd, local_file, direction)
+            self._check_deadline(rc, in_path, direction, started)
             return self._stream_result(rc, stderr, in_path, direction)
         b_out = to_bytes(out_path, errors='surrogate_or_strict')
         directory, name = os.path.split(b_out)
@@ -861,6 +883,7 @@ class Connection(SSHConnection):
                 raise AnsibleError('failed to fetch %s from container %s: writing %s failed: %s; ssh was stopped and '
                                    'the partial file removed' % (to_native(in_path), self._vmid(), to_native(out_path),
                                                                  write_error.strerror or write_error))
+            self._check_deadline(rc, in_path, direction, started)
             result = self._stream_result(rc, stderr, in_path, direction)
             os.replace(b_partial, b_out)
             return result
@@ -870,6 +893,16 @@ class Connection(SSHConnection):
             except FileNotFoundError:
                 pass
             raise
+
+    def _check_deadline(self, rc: int, in_path: str, direction: str, started: float) -> None:
+        """The node's timeout (exit 124, or 137 after its KILL) ended the transfer: say so, naming the option."""
+        limit = self.get_option('transfer_timeout')
+        # 124/137 before the limit is something else (the in-container command_timeout, an OOM kill)
+        if limit and rc in (124, 137) and time.monotonic() - started >= limit:
+            raise AnsibleError('failed to %s %s %s container %s: the transfer did not finish within %d s on node %s '
+                               '(transfer_timeout); pct exec was stopped there' % (
+                                   direction, to_native(in_path), 'into' if direction == 'put' else 'from',
+                                   self._vmid(), int(limit), self._node_label()))
 
     def _stream_result(self, rc: int, stderr: bytes, in_path: str, direction: str) -> tuple[int, bytes, bytes]:
         """Raise for SSH, node or command failures of a put/fetch; markers removed."""

@@ -238,6 +238,8 @@ from ansible.module_utils.six.moves.urllib.parse import urlsplit
 from ansible.plugins.inventory import BaseInventoryPlugin, Cacheable, Constructable, to_safe_group_name
 from ansible.utils.unsafe_proxy import wrap_var
 
+from ansible_collections.gpuops.fleet.plugins.module_utils._pveconf import NVIDIA_DEV, gpu_passthrough
+
 try:
     import requests  # proxmoxer's https backend calls sys.exit() when requests is missing: check first
     from proxmoxer import ProxmoxAPI
@@ -248,11 +250,6 @@ except ImportError as exc:
     HAS_PROXMOXER = False
     PROXMOXER_IMPORT_ERROR = exc
 
-NVIDIA_DEV = re.compile(r'^/dev/nvidia(\d+)$')
-NVIDIA_MAJOR = 195
-DEV_KEY = re.compile(r'^dev\d+$')
-RULE_KEYS = {'lxc.cgroup2.devices.allow': True, 'lxc.cgroup.devices.allow': True,
-             'lxc.cgroup2.devices.deny': False, 'lxc.cgroup.devices.deny': False}
 DEFAULT_PORT = 8006
 CACHE_FORMAT = 2
 NODES_GROUP = 'proxmox_nodes'
@@ -262,70 +259,6 @@ START_TOLERANCE_S = 20  # /cluster/resources uptimes come from pvestatd, refresh
 def split_tags(text):
     """Proxmox tags ('gpu;sglang', also ',' or ' ' separated) as a list."""
     return [tag for tag in re.split(r'[;, ]+', str(text or '')) if tag]
-
-
-def parse_device(value):
-    """A devN value ('[path=]PATH[,deny-write][,gid=][,mode=][,uid=]', options in any order) as a dict."""
-    fields = {}
-    for part in str(value).split(','):
-        key, sep, val = part.partition('=')
-        if sep:
-            fields[key] = val
-        elif key.startswith('/') and 'path' not in fields:
-            fields['path'] = key
-        elif key:
-            fields[key] = True
-    return fields
-
-
-def device_access(rules, major, minor):
-    """Access letters ('r', 'w', 'm') that the container's raw cgroup device rules, read in order, give a char device.
-
-    Proxmox containers start from LXC's deny-all device list: a device bound in by lxc.mount.entry opens only where
-    an allow rule covers it.
-    """
-    access = set()
-    for allow, rule in rules:
-        fields = rule.split()
-        if fields == ['a']:
-            fields = ['a', '*:*', 'rwm']
-        if len(fields) != 3 or fields[0] not in ('a', 'c'):
-            continue
-        rule_major, sep, rule_minor = fields[1].partition(':')
-        if not sep or rule_major not in ('*', str(major)) or rule_minor not in ('*', str(minor)):
-            continue
-        letters = set(fields[2]) & set('rwm')
-        access = access | letters if allow else access - letters
-    return access
-
-
-def gpu_passthrough(config):
-    """The node's /dev/nvidiaN devices a container config passes in, by minor.
-
-    A list of {minor, device (on the node), path (in the container), source (the config key), usable}: devN keys
-    (PVE adds their cgroup rule; deny-write makes them unusable) and lxc.mount.entry lines, whose source is the node's
-    device and whose destination the container's path, usable only where the raw cgroup rules allow rw.
-    """
-    found = {}
-    for key in sorted((k for k in config if DEV_KEY.match(k)), key=lambda k: int(k[3:])):
-        dev = parse_device(config[key])
-        match = NVIDIA_DEV.match(str(dev.get('path', '')))
-        if match and int(match.group(1)) not in found:
-            found[int(match.group(1))] = {'minor': int(match.group(1)), 'device': dev['path'], 'path': dev['path'],
-                                          'source': key, 'usable': not dev.get('deny-write')}
-    raw = [entry for entry in config.get('lxc') or [] if len(entry) == 2]
-    rules = [(RULE_KEYS[str(k)], str(v)) for k, v in raw if str(k) in RULE_KEYS]
-    for key, value in raw:
-        fields = str(value).split()
-        if str(key) != 'lxc.mount.entry' or len(fields) < 2:
-            continue
-        match = NVIDIA_DEV.match(fields[0])
-        if not match or int(match.group(1)) in found:
-            continue
-        minor = int(match.group(1))
-        found[minor] = {'minor': minor, 'device': fields[0], 'path': '/' + fields[1].lstrip('/'),
-                        'source': 'lxc.mount.entry', 'usable': set('rw') <= device_access(rules, NVIDIA_MAJOR, minor)}
-    return [found[m] for m in sorted(found)]
 
 
 def gpu_devices(config):

@@ -21,7 +21,6 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
     HAS_PYNVML, PYNVML_IMPORT_ERROR, Nvml, NvmlFailure,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils._redact import compile_patterns, redact_argv
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import HAS_PSUTIL, PSUTIL_IMPORT_ERROR
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import describe_gpus, resolve_gpus
 
 # argument_spec shared by gpu_status and gpu_release (documented in doc_fragments/_gpu.py)
@@ -85,10 +84,12 @@ def no_gpu_message(engine, targets):
     return None
 
 
-def check_libraries(module):
-    """Fail the task, in one line, when psutil or nvidia-ml-py is missing on the target."""
-    if not HAS_PSUTIL:
-        module.fail_json(msg=missing_lib_message("psutil", "psutil"), exception=repr(PSUTIL_IMPORT_ERROR))
+def check_libraries(module, more=()):
+    """Fail the task, in one line, when nvidia-ml-py (or one of more: (found, package, import name, error))
+    is missing on the target. Read-only gpu_status needs nothing but nvidia-ml-py."""
+    for found, package, import_name, error in more:
+        if not found:
+            module.fail_json(msg=missing_lib_message(package, import_name), exception=repr(error))
     if not HAS_PYNVML:
         module.fail_json(msg=missing_lib_message("nvidia-ml-py", "pynvml"), exception=repr(PYNVML_IMPORT_ERROR))
 
@@ -200,14 +201,26 @@ class Engine(object):
         self._ticks = _clock_ticks()
         self._btime = _boot_time(proc_root)
         self._minor_cache = {}
+        self._unknown_minors = set()
+        self.rank_deaths = {}   # set by the releaser: {index: [{"pid", "mib", "survivors"}]} seen this run
+        self.generation = None  # NVML's generation when the GPUs were listed
 
     # -- setup
     def start(self):
         """nvmlInit and list the GPUs (raises NvmlFailure when NVML itself is unusable)."""
         self.nvml.init()
         self.driver_version = self.nvml.driver_version()
+        return self.relist()
+
+    def relist(self):
+        """List the GPUs again (after an NVML re-init: a reset, a new helper); GPUs stay known by UUID."""
         self.gpus = self.nvml.list_gpus()
+        self.generation = self.nvml.generation
         return self.gpus
+
+    def stale_listing(self):
+        """True when NVML was opened again since the GPUs were listed: an index may name another GPU now."""
+        return self.generation != self.nvml.generation
 
     def select(self, selectors):
         return resolve_gpus(selectors, self.gpus)
@@ -294,6 +307,9 @@ class Engine(object):
         maps_gpus = sorted(minor_index[m] for m in gpu_minors if m in minor_index)
         context_gpus = sorted(minor_index[m] for m, n in map_lines.items()
                               if m in minor_index and n >= pinning.CONTEXT_MAP_LINES)
+        # a context on a GPU NVML cannot describe: that GPU keeps its place, by its minor
+        unknown_gpus = sorted(m for m, n in map_lines.items()
+                              if (m not in minor_index or m in self._unknown_minors) and n >= pinning.CONTEXT_MAP_LINES)
         live = sum(n for s, n in counts.items() if s not in ("Z", "X"))
         names = _names_of(pid, entry.comm, argv, self.proc_root)
         record = {
@@ -320,6 +336,8 @@ class Engine(object):
             "map_lines": dict((str(minor_index.get(m, "minor%d" % m)), n) for m, n in sorted(map_lines.items())),
             "maps_gpus": maps_gpus,
             "context_gpus": context_gpus,
+            "unknown_gpus": unknown_gpus,
+            "unknown_mapped": sorted(m for m in gpu_minors if m not in minor_index or m in self._unknown_minors),
             "gpus": [],
             "evidence": [],
             "ambiguous_gpus": [],
@@ -402,31 +420,37 @@ class Engine(object):
         """
         self._minor_cache = {}
         views = self._nvml_views()
+        # GPUs described by NVML but whose calls failed are unknown too (their minor is known)
+        self._unknown_minors = set(g["minor"] for g in self.gpus
+                                   if g.get("minor") is not None and views[g["index"]]["procs"] is None)
         scan = self.scan()
         own_tree = self.own_tree_skip()
         minor_index = self.minor_to_index()
         records = dict((pid, self.details(entry, minor_index)) for pid, entry in scan.entries.items())
-        named = sorted(set(p["pid"] for v in views.values() for p in v["listed"]))
-        contradicting = [pid for pid in named if self._nvml_status(pid, records, own_tree) == "not_holder"]
+        named = sorted(set((p["pid"], index) for index, v in views.items() for p in v["listed"]))
+        # a pid NVML names on a GPU where /proc shows it no context: one caught mid set-up maps by now
+        contradicting = sorted(set(pid for pid, index in named if self._nvml_status(pid, records, own_tree) == "not_holder"
+                                   or (pid in records and index not in records[pid]["context_gpus"])))
         if contradicting:
             self._read_again(contradicting, records, minor_index)
         for view in views.values():
             if view["procs"] is not None:
                 view["procs"] = [dict(p, status=self._nvml_status(p["pid"], records, own_tree)) for p in view["listed"]]
             del view["listed"]
-        untrusted = sorted(set(p["pid"] for v in views.values() for p in v["procs"] or () if p["status"] == "not_holder"))
         holders = [r for r in records.values() if r["holder"]]
         clients = [r for r in records.values() if not r["holder"] and r["pid"] not in own_tree]
         for view_index, view in views.items():
             for proc in view["procs"] or ():
                 if proc["pid"] in records:
                     records[proc["pid"]]["nvml_named_on"].append(view_index)
-        orphans = pinning.pin(holders, views, trusted=not untrusted, slack_mib=self.threshold_mib)
+        orphans, stale = pinning.pin(holders, views, slack_mib=self.threshold_mib)
         for record in holders:
-            record["unattributed"] = not record["gpus"]
-        jobs = find_jobs(holders, self.proc_root)
-        residue = pinning.residue(orphans, holders, jobs)
-        gpu_reports = [self._gpu_report(index, views[index], holders, clients, orphans, jobs, residue, not untrusted)
+            record["unattributed"] = not record["gpus"] and not record["unknown_gpus"]
+        jobs, linked = find_jobs(holders, self.proc_root)
+        residue = pinning.residue(orphans, holders, jobs, self.rank_deaths)
+        stale_gpus = set(e["gpu"] for e in stale)
+        gpu_reports = [self._gpu_report(index, views[index], holders, clients, orphans, jobs, residue,
+                                        index not in stale_gpus)
                        for index in targets]
         protected = [h for h in holders if h["pid"] in own_tree]
         for record in protected:
@@ -438,15 +462,27 @@ class Engine(object):
             confs = node.read_pve_confs() if self.view == "node" else None
             for gpu_report in gpu_reports:
                 view = views[gpu_report["index"]]
-                gpu_report["by_container"] = node.by_container(view["procs"], view["used_mib"], holders, self.proc_root)
+                gpu_report["by_container"] = node.by_container(
+                    view["procs"], view["used_mib"], holders, self.proc_root,
+                    stale=set(e["pid"] for e in stale if e["gpu"] == gpu_report["index"]))
                 gpu_report["passed_into"] = node.passed_into(confs, gpu_report["minor"])
         report = Report(self, targets, gpu_reports, [h for h in holders if h["pid"] not in own_tree], clients, scan)
         report.protected_holders = sorted(protected, key=lambda r: r["pid"])
         report.views, report.orphans, report.jobs, report.residue = views, orphans, jobs, residue
-        report.untrusted_pids = untrusted
+        report.nvml_stale, report.linked = stale, linked
+        report.unknown_gpus = self._unknown(holders)
         report.unreadable = self.unreadable(scan, gpu_reports)
         report.diagnosis = diagnose(report)
         return report
+
+    def _unknown(self, holders):
+        """GPUs NVML cannot describe, by minor: those its calls fail on, and nodes holders map that it does not list."""
+        index_of = dict((g["minor"], g["index"]) for g in self.gpus if g.get("minor") is not None)
+        minors = set(self._unknown_minors)
+        for record in holders:
+            minors.update(record["unknown_mapped"])
+        return [{"minor": m, "index": index_of.get(m) if m in self._unknown_minors else None,
+                 "held_by": sorted(h["pid"] for h in holders if m in h["unknown_gpus"])} for m in sorted(minors)]
 
     def unreadable(self, scan, gpu_reports):
         """Processes whose /proc reads blocked (`unreadable: blocked`); each GPU they may hold lists them in `blocked`."""
@@ -497,15 +533,20 @@ class Engine(object):
             "holder": "holds this GPU here",
             "client": "only has device files open here (an NVML client), no context",
             "own_tree": "part of this module's own process tree",
-            "not_holder": "exists here but maps no /dev/nvidia* node: the driver reports host pids (legacy), or the "
-                          "pid was reused; NVML's pids are not trusted in this snapshot",
+            "not_holder": "exists here but maps no /dev/nvidia* node",
             "not_visible": ("not visible here: the process no longer exists, or it lives outside this PID namespace "
                             "(on the node or in another container)" if self.in_container
                             else "not visible here: the process no longer exists"),
         }
-        out["nvml_processes"] = [{"pid": p["pid"], "used_mib": p["used_mib"], "status": p["status"],
-                                  "matches_holder": p["status"] == "holder", "note": notes[p["status"]]}
-                                 for p in view["procs"]]
+        accepted = set(h["pid"] for h in holders if "nvml" in h["evidence"] and index in h["gpus"])
+        out["nvml_processes"] = []
+        for proc in view["procs"]:
+            note = notes[proc["status"]]
+            if proc["status"] in ("holder", "client", "not_holder") and proc["pid"] not in accepted:
+                note = ("stale here: %s; the driver reports host pids (legacy) or the pid was reused, so this entry "
+                        "pins nobody" % pinning.stale_why(proc["pid"], index, proc["status"]))
+            out["nvml_processes"].append({"pid": proc["pid"], "used_mib": proc["used_mib"], "status": proc["status"],
+                                          "matches_holder": proc["pid"] in accepted, "note": note})
         orphan = orphans.get(index)
         out["unattributed_mib"] = orphan["unaccounted"] if (orphan and not out["free"]) else 0
         if index in residue:
@@ -530,7 +571,7 @@ class Report(object):
                                  "parent_name": parent["comm"] if parent else None, "holds": []})
         self.diagnosis = []
         self.views, self.orphans, self.jobs, self.residue = {}, {}, {}, {}
-        self.untrusted_pids = []
+        self.nvml_stale, self.linked, self.unknown_gpus = [], [], []
         self.protected_holders = []
         self.unreadable = []
 
@@ -568,10 +609,13 @@ class Report(object):
             "protected_holders": [clean(h) for h in self.protected_holders],
             "clients": [clean(c) for c in self.clients],
             "zombies": self.zombies,
-            "jobs": [{"id": job["id"], "pids": job["pids"], "gpus": self.job_gpus(job["id"])}
+            "jobs": [{"id": job["id"], "pids": job["pids"], "gpus": self.job_gpus(job["id"]), "signature": job["signature"]}
                      for job in sorted(self.jobs.values(), key=lambda j: j["id"])],
             "holders_unattributed": [h["pid"] for h in self.holders if h["unattributed"]],
-            "nvml_pids_trusted": not self.untrusted_pids,
+            "linked": [{"pids": pair["pids"], "why": pair["why"]} for pair in self.linked],
+            "nvml_pids_trusted": not self.nvml_stale,
+            "nvml_stale": self.nvml_stale,
+            "unknown_gpus": self.unknown_gpus,
             "all_free": self.all_free,
             "driver_version": self.engine.driver_version,
             "in_container": self.engine.in_container,
@@ -624,8 +668,8 @@ def _holder_lines(report, record):
     if "nvml" not in record["evidence"]:
         lines = []
         for index in record["gpus"]:
-            orphan = report.orphans.get(index, {"dead": [], "unaccounted": 0})
-            dead = ", ".join("pid %d" % p for p, dummy in orphan["dead"])
+            orphan = report.orphans.get(index, {"dead": [], "stale": [], "unaccounted": 0})
+            dead = ", ".join("pid %d" % p for p, dummy in orphan["dead"] + orphan.get("stale", []))
             gone = "not visible here" if report.engine.in_container else "which no longer exists"
             if dead:
                 where = "NVML names %s on GPU %d, %s" % (dead, index, gone)
@@ -656,11 +700,21 @@ def diagnose(report):
         if (gpu.get("memory") or {}).get("estimated"):
             lines.append("GPU %s: memory estimated, not measured: this driver has no v2 memory call, so used is v1 used "
                          "minus reserved_floor_mib (%s MiB)" % (gpu["index"], gpu["memory"]["reserved_mib"]))
-    for pid in report.untrusted_pids:
-        named_on = sorted(i for i, v in report.views.items() for p in v["procs"] or () if p["pid"] == pid)
-        lines.append("NVML names pid %d on %s, but pid %d here maps no /dev/nvidia* node: the driver reports host pids "
-                     "(legacy) or the pid was reused; NVML's pids are not trusted in this snapshot, so holders are "
-                     "pinned by their mappings alone, and pid %d is never signalled" % (pid, _gpu_list(named_on), pid, pid))
+    for entry in report.nvml_stale:
+        lines.append("NVML names pid %d on GPU %d, but %s: the driver reports host pids (legacy) or the pid was "
+                     "reused; this entry is stale, its %s count as memory no process here is named for, and pid %d "
+                     "is pinned by its own mappings alone"
+                     % (entry["pid"], entry["gpu"], entry["why"], fmt_mib(entry["used_mib"]), entry["pid"]))
+    for unknown in report.unknown_gpus:
+        held = unknown["held_by"]
+        lines.append("the GPU of minor %d%s cannot be described by NVML (lost, or its calls fail)%s: it is never "
+                     "reported free, and a process with a context on it is never signalled for it (with a targeted "
+                     "GPU pinned too, only with collateral: stop)"
+                     % (unknown["minor"], "" if unknown["index"] is None else " (GPU %d)" % unknown["index"],
+                        "; %s map a context on it" % ", ".join("pid %d" % p for p in held) if held else ""))
+    for link in report.linked:
+        lines.append("pids %s are connected by TCP but are not one job (%s): each is signalled only for its own "
+                     "targeted GPUs" % (", ".join(str(p) for p in link["pids"]), link["why"].split(": ", 1)[-1]))
     for record in report.holders:
         if targets & set(record["gpus"]):
             lines.extend(_holder_lines(report, record))
@@ -698,8 +752,9 @@ def diagnose(report):
         if gpu["residue"]:
             residue = gpu["residue"]
             lines.append("%s: %s are held by the surviving ranks of the job of pid %d (pids %s): a rank of that job "
-                         "died and its peers keep part of its memory here, which NVML charges to no one; the GPU is "
-                         "free only when the whole job stops (collateral: stop, or target %s)"
+                         "on this GPU died during this run and its peers keep part of its memory here, which NVML "
+                         "charges to no one; the GPU is free only when the whole job stops (collateral: stop, or "
+                         "target %s)"
                          % (label, fmt_mib(residue["mib"]), residue["job"], ", ".join(str(p) for p in residue["pids"]),
                             _gpu_list(report.job_gpus(residue["job"]))))
             continue
@@ -712,9 +767,14 @@ def diagnose(report):
                             if engine.in_container else "which no longer exists",
                             "; look from the node" if engine.in_container else ""))
         if orphan["unaccounted"]:
-            lines.append("%s: %s is used by no process visible here; look from the node; if nothing holds it "
+            peers = sorted(job["id"] for job in report.jobs.values()
+                           if all(index in m["maps_gpus"] and index not in m["gpus"] for m in job["members"]))
+            lines.append("%s: %s is used by no process visible here%s; look from the node; if nothing holds it "
                          "there either, only a GPU reset frees it (gpu_release with gpu_reset: true)"
-                         % (label, fmt_mib(orphan["unaccounted"])))
+                         % (label, fmt_mib(orphan["unaccounted"]),
+                            " (unattributed: it may be residue of a job that maps this GPU, %s, but no rank of it was "
+                            "seen here; nothing is stopped for it)" % ", ".join("job of pid %d" % j for j in peers)
+                            if peers else ""))
     for zombie in [z for z in report.zombies if z["ppid"] > 1][:5]:
         lines.append("pid %d (%s) is a zombie holding nothing; its parent %s has not reaped it; it holds no GPU "
                      "memory, and killing or fixing the parent only removes the process-table entry"

@@ -17,6 +17,7 @@ import re
 import stat as stat_mod
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _pveconf as pveconf
 
 PVE_LXC_DIR = "/etc/pve/lxc"
 PVE_HA_RESOURCES = "/etc/pve/ha/resources.cfg"
@@ -25,7 +26,6 @@ HOST = "host"
 UNATTRIBUTED = "unattributed"
 
 _CONTAINER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(?:/|$)")
-_DEVICE_RE = re.compile(r"^/dev/nvidia(\d+)$")
 
 
 def container_of_cgroup(path):
@@ -69,29 +69,14 @@ def init_environ_has_container(proc_root="/proc"):
 
 # ---- container configs (/etc/pve/lxc/VMID.conf)
 def parse_pve_conf(text):
-    """The main section of a container config: {"keys": {key: value}, "minors": [GPU minors passed in]}."""
-    keys, minors = {}, set()
-    for line in text.splitlines():
-        line = line.strip()
-        if line.startswith("["):
-            break  # snapshots and pending changes follow the main section
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.partition(":")
-        if not sep:
-            continue
-        key, value = key.strip(), value.strip()
+    """The main section of a container config: {"keys": {key: value}, "minors": [GPU minors it can use],
+    "devices": [every /dev/nvidiaN passed in, with "usable"]}, by the parser the inventory uses (_pveconf)."""
+    config = pveconf.config_from_text(text)
+    devices = pveconf.gpu_passthrough(config)
+    keys = dict((k, v) for k, v in config.items() if k != "lxc")
+    for key, value in config.get("lxc") or ():
         keys.setdefault(key, value)
-        source = None
-        if re.match(r"^dev\d+$", key):
-            first = value.split(",")[0]
-            source = first[len("path="):] if first.startswith("path=") else first
-        elif key == "lxc.mount.entry":
-            source = value.split()[0] if value.split() else None
-        match = _DEVICE_RE.match(source or "")
-        if match:
-            minors.add(int(match.group(1)))
-    return {"keys": keys, "minors": sorted(minors)}
+    return {"keys": keys, "minors": sorted(d["minor"] for d in devices if d["usable"]), "devices": devices}
 
 
 def read_pve_confs(conf_dir=PVE_LXC_DIR):
@@ -142,14 +127,16 @@ def read_ha_resources(path=PVE_HA_RESOURCES):
 
 
 # ---- the node's view of NVML memory, by container
-def by_container(procs, used_mib, holders, proc_root="/proc"):
+def by_container(procs, used_mib, holders, proc_root="/proc", stale=()):
     """MiB per container of one GPU from NVML's node view; the values add up to used_mib.
 
     A pid NVML names but /proc no longer has (a dead parent whose fork child keeps the
     memory, GPU_FACTS row 5) is charged to the container of the holder that is its heir.
+    A stale entry (stale: pids whose entry on this GPU pins nobody) is unattributed: never
+    charged to the container of the live process that has that number.
     """
     out = {}
-    known = dict((h["pid"], h.get("container")) for h in holders)
+    known = dict((h["pid"], h.get("container")) for h in holders if h["pid"] not in stale)
     heirs = {}
     for holder in holders:
         for dead in holder.get("heir_of") or ():
@@ -158,7 +145,8 @@ def by_container(procs, used_mib, holders, proc_root="/proc"):
     for proc in procs or ():
         mib = proc.get("used_mib") or 0
         listed += mib
-        where = known.get(proc["pid"]) or container_of_pid(proc["pid"], proc_root) or heirs.get(proc["pid"]) or UNATTRIBUTED
+        where = (known.get(proc["pid"]) or (None if proc["pid"] in stale else container_of_pid(proc["pid"], proc_root))
+                 or heirs.get(proc["pid"]) or UNATTRIBUTED)
         out[where] = out.get(where, 0) + mib
     if used_mib is not None and used_mib > listed:
         out[UNATTRIBUTED] = out.get(UNATTRIBUTED, 0) + used_mib - listed

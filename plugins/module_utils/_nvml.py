@@ -283,6 +283,7 @@ class Nvml(object):
         self._worker = None
         self._helper = None
         self.helpers_started = 0
+        self.generation = 0      # +1 at each nvmlInit (a new helper too): indexes may name other GPUs after one
         self.requests = 0        # request ids: an answer names the request it answers
         self.hangs = 0
         self.wedged = None       # message once NVML is considered wedged
@@ -349,6 +350,7 @@ class Nvml(object):
         if self.initialized:
             # a new helper after a hang: open NVML again before the call
             self._ask("nvmlInit", "nvmlInit", (), {})
+            self.generation += 1
             for index in sorted(self.handles):
                 if index not in self.failed:
                     self._ask("nvmlDeviceGetHandleByIndex(%d)" % index, "nvmlDeviceGetHandleByIndex", (index,), {})
@@ -403,6 +405,7 @@ class Nvml(object):
             raise NvmlFailure("nvidia-ml-py is not installed", kind="library")
         self._call("nvmlInit", "nvmlInit")
         self.initialized = True
+        self.generation += 1
 
     def shutdown(self):
         """Shut NVML down; a helper stuck in the driver was killed already, a thread is left behind."""

@@ -23,7 +23,10 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pi
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 from ansible_collections.gpuops.fleet.plugins.module_utils import _respawn as respawn
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
-from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import matches
+from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
+from ansible_collections.gpuops.fleet.plugins.module_utils._decide import (
+    decide, gpu_list_words, mib_list, plan_entry, restart_collateral, restart_unknown,
+)
 
 try:
     import psutil
@@ -40,7 +43,8 @@ GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wa
 RESPAWN_WINDOW_S = 3.0   # how long to watch the parents of killed holders after the verdict
 RESPAWN_STARTING_S = 6.0  # longer while a new child of theirs is still starting (maps nothing yet)
 HEIR_ROUNDS = 3          # re-reads after the signals, for holders pinned only once their parent is dead
-HEIR_WAIT_S = 0.3        # memory of a reaped holder is back 0.12-0.2 s after SIGKILL (GPU_FACTS row 2)
+HEIR_WAIT_S = 0.3
+SNAPSHOT_TRIES = 3       # reads of the GPUs while NVML is not opened again meanwhile (a new helper)        # memory of a reaped holder is back 0.12-0.2 s after SIGKILL (GPU_FACTS row 2)
 NVIDIA_SMI_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/local/nvidia/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 
@@ -59,182 +63,6 @@ def find_nvidia_smi(path_env=None):
         if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     return None
-
-
-COLLATERAL_CHOICES = ("refuse", "stop")
-
-
-def _restart_collateral(holders, targets, tolerance_mib):
-    """[(index, MiB or None)] of the untargeted GPUs a container restart would free: each pinned holder's shares
-    over the tolerance, and, of an unpinned holder, every untargeted GPU it has a context on (size unknown)."""
-    over = {}
-    for record in holders:
-        for index, mib in pinning.untargeted_shares(record, targets, tolerance_mib)[0]:
-            if over.get(index) is None:
-                over[index] = mib
-        if not record["gpus"]:
-            for index in record.get("context_gpus", []) + record.get("ambiguous_gpus", []):
-                if index not in targets:
-                    over.setdefault(index, None)
-    return sorted(over.items())
-
-
-def _mib_list(pairs):
-    return ", ".join("GPU %d (%s)" % (index, "an unknown amount" if mib is None else "%d MiB" % mib)
-                     for index, mib in pairs)
-
-
-def _unpinned_reason(record, why):
-    mapped = ", ".join(str(i) for i in record["maps_gpus"]) or "none"
-    if why == "ambiguous":
-        return ("ambiguous: the evidence on GPU %s fits more than one holder, so it is not pinned; it maps GPUs %s "
-                "and is signalled only when all of them are targeted"
-                % (", ".join(str(i) for i in record["ambiguous_gpus"]), mapped))
-    return ("not pinned to any GPU (NVML does not name it and shows no orphaned memory where it maps a context); it "
-            "maps GPUs %s and is signalled only when all of them are targeted" % mapped)
-
-
-class Decision(object):
-    """Who gets signalled, who is left alone and why, and what would stop the task before any signal."""
-
-    def __init__(self):
-        self.to_signal = []     # records, each with "_why"
-        self.skipped = []       # {pid, name, reason}
-        self.refusals = []      # messages; any of them fails the task before a signal
-        self.jobs = {}          # job id -> {"id", "pids", "gpus"} of the jobs touched
-
-
-def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_pids=(), collateral="refuse",
-           tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB, scope=None):
-    """Split the holders of the targeted GPUs into those to signal and those left alone, with collateral checks.
-
-    Pure: works on a Report's records, so it can be tested on recorded states.
-    """
-    targets = set(targets)
-    all_targeted = set(all_gpu_indexes) <= targets
-    residue_jobs = set(job for index, job in report.residue.items() if index in targets)
-    decision = Decision()
-    chosen = {}
-
-    def consider(record, why):
-        reason = _protected_reason(record, match, protect, protect_pids) or (scope.reason(record) if scope else None)
-        if reason:
-            decision.skipped.append(_skip(record, reason))
-            return False
-        record["_why"] = why
-        chosen[record["pid"]] = record
-        return True
-
-    for record in report.holders:
-        why = pinning.relevance(record, targets, all_targeted)
-        if why is None and record["job"] in residue_jobs:
-            why = "job_residue"
-        if why in ("ambiguous", "unpinned"):
-            decision.skipped.append(_skip(record, _unpinned_reason(record, why)))
-        elif why:
-            consider(record, why)
-    in_job_refusal = set()
-    for job_id in sorted(set(r["job"] for r in chosen.values() if r["job"] is not None)):
-        job = report.jobs[job_id]
-        job_gpus = report.job_gpus(job_id)
-        decision.jobs[job_id] = {"id": job_id, "pids": job["pids"], "gpus": job_gpus}
-        skipped_pids = dict((k["pid"], k["reason"]) for k in decision.skipped)
-        excluded = [m for m in job["members"] if m["pid"] in skipped_pids]
-        outside = [m for m in job["members"] if m["pid"] not in chosen and m["pid"] not in skipped_pids]
-        over = sorted(set(pair for m in job["members"] for pair in pinning.untargeted_shares(m, targets, tolerance_mib)[0]))
-        first = min(job["pids"])
-        members = ", ".join(str(p) for p in job["pids"])
-        picked = chosen[min(p for p in job["pids"] if p in chosen)]
-        if excluded:
-            in_job_refusal.update(job["pids"])
-            decision.refusals.append(
-                "pid %d (%s) belongs to the job of pid %d (pids %s; processes linked by sockets are one unit), but "
-                "pid %d (%s) of that job may not be signalled (%s): stopping part of a job leaves the rest hung; "
-                "nothing was signalled" % (picked["pid"], picked["name"], first, members, excluded[0]["pid"],
-                                           excluded[0]["name"], skipped_pids[excluded[0]["pid"]]))
-            continue
-        if not outside and not over:
-            continue
-        if collateral == "stop":
-            for member in outside:
-                if not consider(member, "job_member"):
-                    decision.refusals.append(
-                        "pid %d (%s) belongs to the job of pid %d (pids %s) but may not be signalled (%s): stopping "
-                        "part of a job leaves the rest hung; nothing was signalled"
-                        % (member["pid"], member["name"], first, members, decision.skipped[-1]["reason"]))
-            continue
-        in_job_refusal.update(job["pids"])
-        untargeted = sorted(set(i for i in job_gpus if i not in targets))
-        decision.refusals.append(
-            "pid %d (%s) is one of the processes of a job linked by sockets (pids %s; a tensor-parallel job is one "
-            "unit) that holds GPUs %s; %s not targeted%s: stopping part of it leaves the rest hung and residue on the "
-            "targeted GPUs; nothing was signalled. To go on, set collateral: stop (stops the whole job), or target "
-            "%s too"
-            % (min(p for p in job["pids"] if p in chosen), chosen[min(p for p in job["pids"] if p in chosen)]["name"],
-               ", ".join(str(p) for p in job["pids"]), ", ".join(str(i) for i in job_gpus),
-               _gpu_list_words(untargeted), " (%s)" % _mib_list(over) if over else "", _gpu_list_words(untargeted)))
-    for record in sorted(chosen.values(), key=lambda r: r["pid"]):
-        over, dummy = pinning.untargeted_shares(record, targets, tolerance_mib)
-        if over and collateral != "stop" and record["pid"] not in in_job_refusal:
-            decision.refusals.append(
-                "pid %d (%s) holds %s, which %s not targeted, beyond the %d MiB of a bare context "
-                "(collateral_tolerance_mib): stopping it would stop its work there; nothing was signalled. To go on, "
-                "set collateral: stop, or target %s too"
-                % (record["pid"], record["name"], _mib_list(over), "is" if len(over) == 1 else "are", tolerance_mib,
-                   _gpu_list_words([i for i, dummy in over])))
-    decision.to_signal = sorted(chosen.values(), key=lambda r: r["pid"])
-    return decision
-
-
-def _gpu_list_words(indexes):
-    return ("GPU " if len(indexes) == 1 else "GPUs ") + ", ".join(str(i) for i in indexes)
-
-
-def _protected_reason(record, match, protect, protect_pids):
-    argv_line = " ".join(record.get("_argv") or ())
-    if record["pid"] == 1:
-        return "pid 1 is never signalled"
-    if record["pid"] in protect_pids:
-        return "part of the module's own process tree"
-    if record.get("protected_name"):
-        return "%s is on the built-in protect list" % record["protected_name"]
-    if protect is not None and protect.reason(record["pid"], record["names"], argv_line):
-        return protect.reason(record["pid"], record["names"], argv_line)
-    if not matches(match, record["names"], argv_line):
-        return "does not match `match` (%s)" % match.pattern
-    return None
-
-
-def _skip(record, reason):
-    return {"pid": record["pid"], "name": record["name"], "reason": reason}
-
-
-def plan_entry(record, targets, decision, tolerance_mib):
-    """One line of the plan: whom, for which targeted GPUs, what else it frees, and its job."""
-    targets = set(targets)
-    why = record.get("_why")
-    if why == "pinned":
-        gpus = sorted(targets & set(record["gpus"]))
-    elif why == "unpinned_all_mapped":
-        gpus = sorted(record["maps_gpus"]) or sorted(targets)
-    else:
-        gpus = sorted(targets & set(decision.jobs.get(record["job"], {}).get("gpus", ())))
-    over, under = pinning.untargeted_shares(record, targets, tolerance_mib)
-    side = [{"index": i, "mib": mib} for i, mib in sorted(over + under)]
-    note = "SIGKILL only if it still holds a targeted GPU after term_timeout"
-    if record["defunct_leader"]:
-        note += "; a defunct leader with %d live threads" % (record["live_threads"] or 0)
-    if side:
-        note += "; frees %s as a side effect" % _mib_list([(s["index"], s["mib"]) for s in side])
-    if why == "job_member":
-        note += "; stopped with its job (collateral: stop)"
-    elif why == "job_residue":
-        note += "; its job keeps residue on a targeted GPU"
-    elif why == "unpinned_all_mapped":
-        note += "; not pinned, but every GPU it maps is targeted"
-    return {"pid": record["pid"], "name": record["name"], "gpus": gpus, "side_effect_gpus": side,
-            "job": decision.jobs.get(record["job"]), "evidence": list(record["evidence"]),
-            "unattributed": record["unattributed"], "why": why, "signals": ["SIGTERM", "SIGKILL"], "note": note}
 
 
 def alive(record, proc_root="/proc"):
@@ -492,6 +320,9 @@ class Releaser(object):
         self.collateral = collateral
         self.tolerance_mib = collateral_tolerance_mib
         self.targets = list(targets)
+        # GPUs are their UUIDs: after an NVML re-init (a reset, a new helper) the indexes are resolved again
+        self.target_uuids = [((engine.gpu(i) or {}).get("uuid"), i) for i in self.targets]
+        self.missing = []          # targeted UUIDs NVML no longer lists: never free
         self.term_timeout = term_timeout
         self.kill_timeout = kill_timeout
         self.verify_timeout = verify_timeout
@@ -515,6 +346,9 @@ class Releaser(object):
         self.plan = []
         self.refusals = []
         self.jobs = {}
+        self._ranks = []
+        self.linked = []
+        self.evidence = {"nvml_stale": [], "unknown_gpus": []}
         self.failure = None      # message when the task must fail
         self.respawned = None
         self.watch = None        # respawn.RespawnWatch, from the first signal on
@@ -544,10 +378,46 @@ class Releaser(object):
         if RUNGS.index(rung) > RUNGS.index(self.rung):
             self.rung = rung
 
+    def _sync_targets(self, force=False):
+        """After an NVML re-init, list the GPUs again and find each target by its UUID; a missing one is not free."""
+        if not force and not self.engine.stale_listing():
+            return
+        self.engine.relist()
+        by_uuid = dict((g.get("uuid"), g["index"]) for g in self.engine.gpus if g.get("uuid"))
+        targets, missing = [], []
+        for uuid, index in self.target_uuids:
+            if uuid is None:
+                targets.append(index)     # never described: it failed before any signal
+            elif uuid in by_uuid:
+                targets.append(by_uuid[uuid])
+            else:
+                missing.append(uuid)
+        if missing != self.missing:
+            self.log("gpuops.fleet.gpu_release: after NVML was opened again, %s no longer listed"
+                     % ", ".join(missing))
+        self.targets, self.missing = targets, missing
+
+    def snapshot(self):
+        """A report of the targets, read by their UUIDs (again while NVML was opened again meanwhile)."""
+        for dummy in range(SNAPSHOT_TRIES):
+            self._sync_targets()
+            report = self.engine.snapshot(self.targets)
+            if not self.engine.stale_listing():
+                break
+        else:
+            raise NvmlFailure("NVML was opened again during each of %d reads of the GPUs; their indexes cannot be "
+                              "trusted, nothing more was done" % SNAPSHOT_TRIES)
+        self.evidence = {"nvml_stale": list(report.nvml_stale), "unknown_gpus": list(report.unknown_gpus)}
+        return report
+
     def _memory_free(self):
+        self._sync_targets()
+        if self.missing:
+            return False
         if self.own_only:
-            return targets_free(self.engine.snapshot(self.targets), self.scope)
-        return all(self.engine.is_free(self.engine.memory(index)) for index in self.targets)
+            return targets_free(self.snapshot(), self.scope) and not self.missing
+        free = all(self.engine.is_free(self.engine.memory(index)) for index in self.targets)
+        return free and not self.engine.stale_listing()
 
     def _record(self, record, signame, outcome):
         action = {"time": round(time.time(), 3), "elapsed_s": round(self.now() - self.started, 3),
@@ -646,7 +516,15 @@ class Releaser(object):
         self.to_signal, self.skipped, self.refusals = decision.to_signal, decision.skipped, decision.refusals
         self.jobs = decision.jobs
         self._known_pids = set(r["pid"] for r in report.holders) | set(r["pid"] for r in report.clients)
+        uuid_of = dict((g["index"], g.get("uuid")) for g in self.engine.gpus)
+        self._ranks = [[(m["pid"], m["starttime_ticks"], dict((uuid_of.get(i), mib) for i, mib in m["shares_mib"].items()))
+                        for m in job["members"]] for job in report.jobs.values()]
         self.plan = [plan_entry(r, self.targets, decision, self.tolerance_mib) for r in self.to_signal]
+        planned = set(r["pid"] for r in self.to_signal)
+        self.linked = [link for link in report.linked if planned & set(link["pids"])]
+        for entry in self.plan:
+            entry["linked"] = sorted(p for link in self.linked for p in link["pids"]
+                                     if entry["pid"] in link["pids"] and p != entry["pid"])
         if self.container_restart and self.scope is not None:
             self.restart_plan = self._restart_plan(report)
         return self.plan
@@ -659,19 +537,23 @@ class Releaser(object):
         out = []
         for vmid in sorted(self.scope.containers, key=int):
             holders = [h for h in report.holders if h.get("container") == vmid]
-            gpus = set()
-            for h in holders:
-                gpus.update(h["gpus"] + h["ambiguous_gpus"] + (h["maps_gpus"] if h["unattributed"] else []))
+            gpus = set(g["index"] for g in self.engine.gpus for h in holders if pinning.may_hold(h, g["index"]))
             held_mib = sum((g.get("by_container") or {}).get(vmid, 0) for g in report.gpus)
             if not (gpus & targets) and held_mib <= self.engine.threshold_mib:
                 continue
-            over = _restart_collateral(holders, targets, self.tolerance_mib)
+            over = restart_collateral(holders, targets, self.tolerance_mib)
             entry = {"vmid": int(vmid), "gpus": sorted(gpus), "untargeted_gpus": [i for i, dummy in over],
                      "processes": members.get(vmid, []), "backend": getattr(self.restart_backend, "name", None),
                      "refusal": restart.refusal(self.restart_backend, vmid) if self.restart_backend else None}
+            unknown = restart_unknown(holders)
+            if unknown and self.collateral != "stop":
+                self.refusals.append(
+                    "container_restart would restart container %s, whose processes also have a context on the GPU of "
+                    "minor %s, which NVML cannot describe (an unknown amount); nothing was signalled. To go on, set "
+                    "collateral: stop" % (vmid, ", ".join(str(m) for m in unknown)))
             if over and self.collateral != "stop":
-                words = (vmid, _mib_list(over), "is" if len(over) == 1 else "are", len(entry["processes"]),
-                         _gpu_list_words([i for i, dummy in over]))
+                words = (vmid, mib_list(over), "is" if len(over) == 1 else "are", len(entry["processes"]),
+                         gpu_list_words([i for i, dummy in over]))
                 self.refusals.append(
                     "container_restart would restart container %s, whose processes also hold %s, which %s not "
                     "targeted (a restart stops everything in it: %d processes); nothing was signalled. To go on, set "
@@ -682,7 +564,7 @@ class Releaser(object):
     def _restart_containers(self, why, respawning=()):
         """Stop and start each planned container that still holds a targeted GPU, or where a parent respawns its
         holder (respawning: vmids); sets self.failure when one fails."""
-        report = self.engine.snapshot(self.targets)
+        report = self.snapshot()
         busy = [e for e in self.restart_plan
                 if str(e["vmid"]) in respawning or self._container_holds(report, str(e["vmid"]))]
         if not busy:
@@ -705,7 +587,7 @@ class Releaser(object):
                                     "holding %s; it is stuck in the driver, and only a driver reload or a node reboot "
                                     "frees it" % (vmid, stopped["text"], holder["pid"], holder["name"], thread["tid"],
                                                   thread.get("wchan") or "unknown",
-                                                  _gpu_list_words(holder["gpus"] or holder["maps_gpus"])))
+                                                  gpu_list_words(holder["gpus"] or holder["maps_gpus"])))
                 else:
                     self.failure = "container %s did not stop: %s" % (vmid, stopped["text"])
                 return
@@ -749,9 +631,24 @@ class Releaser(object):
             outcome = self._wait(self.kill_timeout, watched, "SIGKILL")
         return outcome
 
+    def _fresh_report(self):
+        """A new snapshot, told which ranks of the jobs seen at the start died since (residue evidence)."""
+        self._sync_targets()
+        index_of = dict((g.get("uuid"), g["index"]) for g in self.engine.gpus if g.get("uuid"))
+        deaths = {}
+        for members in self._ranks:
+            gone = [m for m in members if not procscan.same_process(m[0], m[1], self.proc_root)]
+            survivors = [m[0] for m in members if m not in gone]
+            for pid, dummy, shares in gone:
+                for uuid, mib in shares.items():
+                    if uuid in index_of:     # ranks' shares are kept by UUID: indexes may move on a re-init
+                        deaths.setdefault(index_of[uuid], []).append({"pid": pid, "mib": mib, "survivors": survivors})
+        self.engine.rank_deaths = deaths
+        return self.snapshot()
+
     def _still_holding(self, survivors):
         """The SIGTERM survivors that still hold a targeted GPU (one that let go is writing a checkpoint)."""
-        report = self.engine.snapshot(self.targets)
+        report = self._fresh_report()
         decision = self._decide(report)
         keep = set(r["pid"] for r in decision.to_signal)
         out = []
@@ -764,7 +661,7 @@ class Releaser(object):
 
     def _heirs(self):
         """Holders that existed before the signals and are pinned to a targeted GPU only now (a dead parent's heir)."""
-        report = self.engine.snapshot(self.targets)
+        report = self._fresh_report()
         decision = self._decide(report)
         fresh = [r for r in decision.to_signal if r["pid"] in self._known_pids and r["pid"] not in self.signalled]
         if fresh and decision.refusals:
@@ -854,15 +751,14 @@ class Releaser(object):
     def _reset(self):
         """nvidia-smi --gpu-reset for each targeted GPU still used; refused while anything holds it."""
         self._set_rung("reset")
-        report = self.engine.snapshot(self.targets)
+        report = self.snapshot()
         smi = self.nvidia_smi or find_nvidia_smi()
         for gpu in report.gpus:
             if gpu["free"] or gpu.get("error"):
                 continue
             fake = {"pid": 0, "name": "GPU %d" % gpu["index"]}
             # anything with a context that could be on this GPU blocks its reset
-            blockers = [h for h in report.holders if gpu["index"] in h["gpus"] + h["ambiguous_gpus"]
-                        or (h["unattributed"] and (not h["maps_gpus"] or gpu["index"] in h["maps_gpus"]))]
+            blockers = [h for h in report.holders if pinning.may_hold(h, gpu["index"])]
             blockers += [dict(b, blocked_threads=[{"wchan": "%s (unreadable: blocked)" % (b.get("wchan") or "?")}])
                          for b in report.unreadable if b["pid"] in gpu.get("blocked", ())]
             # a real reset fails while any process has the GPU open: NVML clients block it too
@@ -900,6 +796,7 @@ class Releaser(object):
             except OSError as exc:
                 self._record(fake, "reset", "failed: %s" % exc)
             self.engine.start()
+            self._sync_targets(force=True)
 
     @property
     def changed(self):
@@ -935,8 +832,7 @@ def _now_ticks(proc_root="/proc"):
 
 def scope_holders(report, index, scope):
     """Holders of GPU index that a node-side release's scope covers."""
-    return [h for h in report.holders if scope.allows(h.get("container") or "")
-            and (index in h["gpus"] + h["ambiguous_gpus"] or (h["unattributed"] and (not h["maps_gpus"] or index in h["maps_gpus"])))]
+    return [h for h in report.holders if scope.allows(h.get("container") or "") and pinning.may_hold(h, index)]
 
 
 def free_for_scope(report, gpu, scope):
@@ -1025,7 +921,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
     result = {"changed": False, "actions": releaser.actions, "rung_reached": "none", "plan": [], "lock_wait_s": 0.0,
               "lock_acquired_at": None,
               "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
-              "collateral": [], "jobs": [], "restart_plan": [], "view": engine.view,
+              "collateral": [], "jobs": [], "linked": [], "nvml_stale": [], "unknown_gpus": [], "restart_plan": [],
+              "view": engine.view,
               "scope": None if releaser.scope is None else {"containers": sorted(int(c) for c in releaser.scope.containers),
                                                             "host_processes": releaser.scope.host_processes}}
 
@@ -1042,6 +939,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             result["diagnosis"] = list(after.diagnosis)
         result["plan"] = releaser.plan
         result["jobs"] = sorted(releaser.jobs.values(), key=lambda j: j["id"])
+        result["linked"] = [{"pids": link["pids"], "why": link["why"]} for link in releaser.linked]
+        result.update(releaser.evidence)
         result["collateral"] = collateral_of(engine, releaser, before, after is not None)
         result["not_signalled"] = releaser.skipped
         result["respawned"] = releaser.respawned
@@ -1069,7 +968,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         result["lock_wait_s"] = round(locks.waited_s, 3)
         result["lock_acquired_at"] = round(time.time(), 3)
     try:
-        before = engine.snapshot(targets)
+        before = releaser.snapshot()
+        result.update(releaser.evidence)
         broken = before.errors
         if broken:
             msg = "; ".join("GPU %s%s: %s" % (g["index"], " (%s)" % g["uuid"] if g.get("uuid") else "", g["error"])
@@ -1090,13 +990,17 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         try:
             releaser.run(before)
         except ReleaseTimeout as exc:
-            after = engine.snapshot(targets)
+            after = releaser.snapshot()
             return finish(True, "%s (timeout %ss)" % (exc, opts.get("timeout")), before, after)
-        after = engine.snapshot(targets)
+        after = releaser.snapshot()
     finally:
         locks.release()
     if releaser.failure:
         return finish(True, releaser.failure, before, after)
+    if releaser.missing:
+        return finish(True, "GPU %s is not free: NVML no longer lists it after it was opened again (a reset that "
+                      "did not bring the GPU back, or a driver restart); find it with nvidia-smi on the node"
+                      % ", ".join(releaser.missing), before, after)
     if targets_free(after, scope):
         words = free_words(after)
         return finish(False, words if after.all_free else

@@ -23,13 +23,20 @@ description:
   - 7. Verify that every targeted GPU's v2 C(used) is at most O(threshold_mib), else fail with the gpu_status
     diagnosis and what was tried.
   - "Which GPUs a holder holds is decided by evidence, not by the device nodes it maps: every CUDA process maps the
-    node of every GPU visible to it. A holder that NVML names holds exactly the GPUs where NVML names it. One that
-    NVML does not name (the forked child of a dead parent, a pid NVML hides) is pinned to GPU N only when NVML shows
-    orphaned memory on N, the holder maps a context on N, and no other holder fits. Anything else is unpinned, and
-    is signalled only when every GPU it maps is targeted (see gpuops.fleet.gpu_status)."
+    node of every GPU visible to it. A holder that NVML names, where it maps a context, holds exactly the GPUs where
+    NVML names it (an entry whose pid has no context there is stale and pins nobody). One that NVML does not name
+    (the forked child of a dead parent, a pid NVML hides) is pinned to GPU N only when NVML shows orphaned memory on
+    N, the holder maps a context on N, and no other holder fits. Anything else is unpinned, and is signalled only
+    when every GPU it maps is targeted (see gpuops.fleet.gpu_status). A context on a GPU NVML cannot describe (lost,
+    or its calls fail) holds that GPU: such a holder is never signalled for it, and counts as collateral of unknown
+    size."
   - "Collateral: a holder that also holds a GPU that is not targeted (beyond O(collateral_tolerance_mib), the size of
-    a bare context), or that belongs to a job of processes linked by sockets (a tensor-parallel job) spanning other
-    GPUs, makes the task fail before any signal, naming the pid and the GPUs, unless O(collateral=stop)."
+    a bare context), or that belongs to a job spanning other GPUs, makes the task fail before any signal, naming the
+    pid and the GPUs, unless O(collateral=stop). A job is a group of holders linked by sockets that share a rank
+    signature (the same distributed-run settings such as C(MASTER_ADDR)/C(MASTER_PORT), a distributed launcher
+    such as C(torchrun) as their common parent, or rank siblings: the same argv, or titles, apart from numbers).
+    Connected holders without one (a client and its server) are only RV(linked), and each is signalled only for
+    its own targeted GPUs."
   - Once the first holders are gone, the state is read again, and a holder pinned only now (the child that keeps a
     dead parent's memory) is signalled in turn, under the same rules.
   - "It signals only processes that C(/proc) shows holding a targeted GPU. Never: a pid known only from NVML, an
@@ -118,7 +125,7 @@ options:
     description:
       - What to do when stopping a holder of a targeted GPU would also stop work on a GPU that is not targeted.
       - V(refuse) fails the task before any signal, naming each such pid, its name and its MiB on the other GPUs, or
-        the job (processes linked by sockets, such as the ranks of a tensor-parallel job) and its GPUs.
+        the job (linked ranks with a rank signature, such as a tensor-parallel job) and its GPUs.
       - V(stop) signals such holders anyway, and stops every process of such a job, since stopping part of a job
         leaves the rest hung and leaves residue on the targeted GPUs. RV(collateral) lists the GPUs freed that way.
       - Has no effect when every GPU is targeted (O(gpus) empty).
@@ -393,13 +400,16 @@ plan:
     - C(side_effect_gpus) lists the untargeted GPUs it also holds, with its MiB there (freed as a side effect).
     - C(job) is the job it belongs to (C(id), C(pids), C(gpus)), or null.
     - C(why) is C(pinned), C(unpinned_all_mapped), C(job_member) (stopped with its job, O(collateral=stop)) or
-      C(job_residue) (its job keeps a dead rank's residue on a targeted GPU).
+      C(job_residue) (this run saw a rank of its job die on a targeted GPU, and its peers keep residue there).
     - C(evidence) is the holder's evidence (see gpuops.fleet.gpu_status).
+    - C(linked) lists the pids connected to it by TCP that are not of its job (see RV(linked)); they are signalled
+      only for their own targeted GPUs.
   returned: always
   type: list
   elements: dict
   sample: [{"pid": 533, "name": "python3", "gpus": [1], "side_effect_gpus": [{"index": 0, "mib": 518}], "job": null,
             "evidence": ["nvml", "mapping"], "unattributed": false, "why": "pinned", "signals": ["SIGTERM", "SIGKILL"],
+            "linked": [],
             "note": "SIGKILL only if it still holds a targeted GPU after term_timeout; frees GPU 0 (518 MiB) as a side effect"}]
 collateral:
   description: Untargeted GPUs that the plan frees as a side effect, with their used MiB before and after (null in check mode).
@@ -408,11 +418,36 @@ collateral:
   elements: dict
   sample: [{"index": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "used_mib_before": 518, "used_mib_after": 0}]
 jobs:
-  description: The jobs (holders linked by sockets) that the plan touches, with their pids and GPUs.
+  description:
+    - The jobs that the plan touches (holders linked by sockets that share a rank signature), with their pids, GPUs
+      and C(signature), the evidence printed for them.
   returned: always
   type: list
   elements: dict
-  sample: [{"id": 700, "pids": [700, 701, 702, 703], "gpus": [0, 1, 2, 3]}]
+  sample: [{"id": 700, "pids": [700, 701, 702, 703], "gpus": [0, 1, 2, 3],
+            "signature": ["rank siblings: process titles that differ only by a number (tp_rank#)"]}]
+linked:
+  description:
+    - Pairs of holders, one of them in the plan, joined by a TCP connection but not one job (no rank signature, as
+      a client and its server). For information only; nothing is signalled for a link.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"pids": [90, 91], "why": "connected by TCP, not one job: no rank signature"}]
+nvml_stale:
+  description: NVML entries that pin nobody, as in gpuops.fleet.gpu_status (before the first signal).
+  returned: always
+  type: list
+  elements: dict
+  sample: []
+unknown_gpus:
+  description:
+    - GPUs NVML cannot describe, as in gpuops.fleet.gpu_status (before the first signal). A holder with a context on
+      one is never signalled for it, and is stopped with a targeted GPU only with O(collateral=stop).
+  returned: always
+  type: list
+  elements: dict
+  sample: []
 not_signalled:
   description: Holders of targeted GPUs that were left alone, with the reason (protected, not matching O(match), unpinned, ambiguous).
   returned: always
@@ -482,7 +517,9 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import view_of
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import ReleaseTimeout, backstop_result, release
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import (
+    HAS_PSUTIL, PSUTIL_IMPORT_ERROR, ReleaseTimeout, backstop_result, release,
+)
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import (
     Protect, SelectorError, compile_regex,
 )
@@ -572,7 +609,7 @@ def main():
         protect = Protect(params["protect"])
     except (ValueError, SelectorError) as exc:
         module.fail_json(msg=str(exc))
-    check_libraries(module)
+    check_libraries(module, [(HAS_PSUTIL, "psutil", "psutil", PSUTIL_IMPORT_ERROR)])
 
     deadline = started + params["timeout"]
     signal.signal(signal.SIGALRM, _backstop)

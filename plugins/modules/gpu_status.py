@@ -21,10 +21,16 @@ description:
     does not name is pinned to GPU N only when NVML names a dead or invisible pid on N (or shows memory no process
     it lists accounts for), the holder maps a context on N (the node mapped 3 times on driver 580), and no other
     holder fits that evidence. Otherwise it is unpinned, and C(ambiguous_gpus) says where two holders fit."
-  - If NVML names a live pid here that maps no C(/dev/nvidia*) node (an old driver giving host pids, or a reused
-    pid), none of that snapshot's NVML pids are trusted and holders are pinned by the conservative rule alone.
-  - Finds jobs, holders joined directly by connected TCP sockets (the ranks of a tensor-parallel job), and names the
-    residue that the surviving ranks keep on the GPU of a dead rank.
+  - NVML's "pid P on GPU N" is accepted only when P maps N's node with a context. Any other entry of a live pid
+    (an old driver giving host pids, or a reused pid) is stale (RV(nvml_stale)); its memory counts as orphaned, and P
+    is pinned by its own mappings alone. Distrust is per entry, so a process that starts or exits never changes how
+    the others are pinned.
+  - A GPU NVML cannot describe (lost, or its calls fail) keeps its place by its minor (RV(unknown_gpus)); a holder
+    with a context on it holds it, and it is never reported free.
+  - Finds jobs, holders joined directly by connected TCP sockets that share a rank signature (the same
+    distributed-run settings, a distributed launcher as common parent, or rank siblings), and lists other
+    connected holders as RV(linked). Residue (memory the surviving ranks keep on a dead rank's GPU) is charged to a
+    job only when the run saw that rank die; otherwise it is unattributed.
   - Returns C(diagnosis), a list of plain sentences, one per finding, each naming the pid and the remedy.
   - Read-only; C(changed) is always false.
 author:
@@ -124,7 +130,9 @@ gpus:
     passed_into:
       description:
         - On a Proxmox node, the vmids whose config (C(/etc/pve/lxc/VMID.conf), a C(devN) key or an
-          C(lxc.mount.entry)) passes this GPU in; null where the configs cannot be read.
+          C(lxc.mount.entry)) passes this GPU in usable (not C(deny-write); a bound device only where the raw cgroup
+          rules allow rw), read as the gpuops.fleet.proxmox_gpu inventory reads it; null where the configs cannot be
+          read.
       type: list
       elements: int
       returned: on a node or host
@@ -182,7 +190,7 @@ gpus:
       type: dict
       sample: {"job": 700, "pids": [700, 702, 703], "mib": 291}
     nvml_pids_trusted:
-      description: False when NVML named a live pid here that maps no device node (legacy host pids, or a reused pid).
+      description: False when an NVML entry on this GPU is stale (see RV(nvml_stale)).
       type: bool
       sample: true
     protected_holders:
@@ -305,7 +313,7 @@ holders:
         - Why it is pinned where it is; empty when unpinned. C(nvml) (NVML names it there), C(mapping) (it maps a
           context there; never alone), C(dead_pid) (NVML names a dead or invisible pid there), C(unaccounted)
           (memory there that no listed process accounts for), C(heir) (its process group or session id is that dead
-          pid), C(nvml_pids_untrusted) (pinned by the conservative rule alone).
+          pid), C(nvml_stale) (NVML names a live pid there that has no context there).
       type: list
       elements: str
       sample: [nvml, mapping]
@@ -324,7 +332,7 @@ holders:
       elements: int
       sample: []
     job:
-      description: The id (lowest pid) of the job it belongs to (holders linked by connected TCP sockets), or null.
+      description: The id (lowest pid) of the job it belongs to (linked holders with a rank signature), or null.
       type: int
       sample: null
     pgrp:
@@ -336,9 +344,19 @@ holders:
       type: int
       sample: 533
     unattributed:
-      description: True when it is pinned to no GPU (unpinned or ambiguous); such a holder is signalled only when every GPU it maps is targeted.
+      description: True when it is pinned to no GPU (unpinned or ambiguous) and has no context on a GPU NVML cannot describe; such a holder is signalled only when every GPU it maps is targeted.
       type: bool
       sample: false
+    unknown_gpus:
+      description: Minors of the GPUs NVML cannot describe on which it has a context; it holds them.
+      type: list
+      elements: int
+      sample: []
+    unknown_mapped:
+      description: Minors of the GPUs NVML cannot describe whose node it maps (with a context or not).
+      type: list
+      elements: int
+      sample: []
     gpu_minors:
       description: Minor numbers of the C(/dev/nvidiaN) nodes it maps (from C(st_rdev) for a character device).
       type: list
@@ -433,18 +451,43 @@ zombies:
   elements: dict
   sample: [{"pid": 601, "name": "python3", "ppid": 600, "parent_name": "python3", "holds": []}]
 jobs:
-  description: Groups of holders joined directly by connected TCP sockets (the ranks of a tensor-parallel job), with their GPUs.
+  description:
+    - Groups of holders joined by connected TCP sockets that share a rank signature (the ranks of a tensor-parallel
+      job), with their GPUs and C(signature), the evidence that makes them one job.
   returned: success
   type: list
   elements: dict
-  sample: [{"id": 700, "pids": [700, 701], "gpus": [0, 1]}]
+  sample: [{"id": 700, "pids": [700, 701], "gpus": [0, 1],
+            "signature": ["rank siblings: the same argv apart from numbers"]}]
+linked:
+  description: Pairs of holders joined by a connected TCP socket that are not one job (no rank signature); for information only.
+  returned: success
+  type: list
+  elements: dict
+  sample: [{"pids": [812, 840], "why": "connected by TCP, not one job: no rank signature"}]
 nvml_pids_trusted:
-  description: False when NVML's pids were not trusted in this snapshot (see C(nvml_processes) status C(not_holder)).
+  description: False when any NVML entry is stale (see RV(nvml_stale)).
   returned: success
   type: bool
   sample: true
+nvml_stale:
+  description:
+    - NVML entries "pid on GPU" whose pid lives here without a context on that GPU (legacy host pids, a reused
+      pid). They pin nobody; their memory counts as orphaned on that GPU.
+  returned: success
+  type: list
+  elements: dict
+  sample: [{"gpu": 0, "pid": 560, "used_mib": 32768, "why": "pid 560 here has no context on GPU 0"}]
+unknown_gpus:
+  description:
+    - GPUs NVML cannot describe (lost, or its calls fail), by C(minor), with their NVML C(index) when known and the
+      pids that hold a context on them (C(held_by)).
+  returned: success
+  type: list
+  elements: dict
+  sample: [{"minor": 3, "index": null, "held_by": [13]}]
 holders_unattributed:
-  description: Pids of holders pinned to no GPU.
+  description: Pids of holders pinned to no GPU (those with a context on a GPU NVML cannot describe are left out).
   returned: success
   type: list
   elements: int

@@ -91,7 +91,9 @@ def test_tensor_parallel_job_is_one_unit(clean):
     assert stopped["jobs"][0]["pids"] == sorted(container_ranks)
 
 
-def test_dead_rank_leaves_residue_charged_to_its_job(clean):
+def test_residue_of_a_rank_that_died_before_the_run_is_unattributed_and_stops_nothing(clean):
+    """Issue 18: every CUDA process maps every visible GPU, so a job mapping GPU 1 is no evidence that its
+    291 MiB there are its residue; the job's ranks on GPUs 0, 2, 3 are never stopped for GPU 1."""
     lab = clean
     job = lab.run("tp_nccl", 101, [0, 1, 2, 3], mib=2048)
     os.kill(job["roles"]["rank1"], signal.SIGKILL)
@@ -102,10 +104,15 @@ def test_dead_rank_leaves_residue_charged_to_its_job(clean):
     status = lab.play("ct101", "gpu_status", {"gpus": [1]})
     assert not status.failed, status
     survivors = sorted(job["container_roles"]["rank%d" % r] for r in (0, 2, 3))
-    assert status["gpus"][0]["residue"] == {"job": survivors[0], "pids": survivors, "mib": 291}
-    assert any("held by the surviving ranks of the job of pid %d" % survivors[0] in line
-               for line in status["diagnosis"])
-    assert status["jobs"] == [{"id": survivors[0], "pids": survivors, "gpus": [0, 1, 2, 3]}]
+    assert status["gpus"][0]["residue"] is None and status["gpus"][0]["unattributed_mib"] == 291
+    assert any("unattributed: it may be residue of a job that maps this GPU, job of pid %d" % survivors[0] in line
+               for line in status["diagnosis"]), status["diagnosis"]
+    assert status["jobs"] == [{"id": survivors[0], "pids": survivors, "gpus": [0, 2, 3],
+                               "signature": ["rank siblings: the same argv apart from numbers",
+                                             "rank siblings: process titles that differ only by a number (tp_rank#)"]}]
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[1], collateral="stop"))
+    assert play.failed and play["plan"] == [] and play["actions"] == [], play
+    assert all(host_alive(job["roles"]["rank%d" % r]) for r in (0, 2, 3)) and used(lab)[1] == 291
 
 
 def test_two_dead_parents_each_child_pinned_to_its_own_gpu(clean):
@@ -136,3 +143,41 @@ def test_forked_child_is_released_after_its_parent(clean):
     assert signalled(play) == {run["container_roles"]["parent"], run["container_roles"]["child"]}
     assert not host_alive(run["roles"]["child"]) and host_alive(bystander["holders"][0])
     assert used(lab) == {0: 700, 1: 0, 2: 0, 3: 0}
+
+
+def test_a_lost_untargeted_gpu_keeps_its_holder_alive_and_the_targets_are_freed(clean):
+    """Issue 18: a GPU NVML cannot describe is unknown, never "not this one"."""
+    lab = clean
+    runs = [lab.run("plain", 101, [i], mib=1024) for i in range(4)]
+    lab.labctl("fault", "--node", "pve1", "--gpu", 3, "--fault", "lost")
+    try:
+        play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0, 1, 2]))
+        status = lab.play("ct101", "gpu_status", {"gpus": [0, 1, 2]})   # all GPUs: it fails naming GPU 3
+    finally:
+        lab.labctl("fault", "--node", "pve1", "--gpu", 3, "--fault", "none")
+    assert not play.failed, play
+    assert [host_alive(r["holders"][0]) for r in runs] == [False, False, False, True]
+    assert signalled(play) == set(r["container_holders"][0] for r in runs[:3])
+    assert play["remaining"] == [], play
+    assert [(g["index"], g["used_mib"]) for g in play["after"]] == [(0, 0), (1, 0), (2, 0)], play["after"]
+    assert play["unknown_gpus"] == [{"minor": 3, "index": None, "held_by": [runs[3]["container_holders"][0]]}]
+    assert not status.failed, status
+    assert status["unknown_gpus"] == play["unknown_gpus"]
+    assert any("cannot be described by NVML" in line for line in status["diagnosis"]), status["diagnosis"]
+    assert used(lab)[3] == 1024
+
+
+def test_a_client_connected_to_a_server_is_linked_and_only_the_client_stops(clean):
+    """Issue 18: a client-server link between different programs is never a job, even with collateral: stop."""
+    lab = clean
+    server = lab.run("tcp_server", 101, [1], mib=2048)
+    client = lab.run("tcp_client", 101, [0], mib=1024, extra=["--", "--connect", server["port"]])
+    pids = sorted([client["container_holders"][0], server["container_holders"][0]])
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0], collateral="stop"))
+    assert not play.failed, play
+    assert signalled(play) == set(client["container_holders"])
+    assert play["jobs"] == [] and play["linked"] == [
+        {"pids": pids, "why": "connected by TCP, not one job: no rank signature"}]
+    assert play["plan"][0]["linked"] == [server["container_holders"][0]]
+    assert not host_alive(client["holders"][0]) and host_alive(server["holders"][0])
+    assert used(lab)[0] == 0 and used(lab)[1] == 2048

@@ -29,7 +29,7 @@ import time
 
 SCENARIOS = ("plain", "term_ignoring", "fork_inherit", "defunct_leader", "zombie", "mmap_only",
              "tp_server", "monitor", "bystander_gpu", "bystander_cpu", "stray_context", "tp_nccl",
-             "two_parents", "ipc_consumer", "launcher_respawn")
+             "two_parents", "ipc_consumer", "launcher_respawn", "tcp_server", "tcp_client")
 CONTEXT_MAPS = 3  # map lines of /dev/nvidiaM on a context GPU (GPU_FACTS row 12)
 VISIBLE_MAPS = 2  # on a GPU that is only visible (row 9)
 BARE_CONTEXT_MIB = 518  # a stray or bare context (rows 13, 15, 17)
@@ -66,12 +66,13 @@ class Reporter:
         while data:
             data = data[os.write(self.fd, data):]
 
-    def report(self, scenario, roles, holders, dead=None, top=None):
+    def report(self, scenario, roles, holders, dead=None, top=None, extra=None):
         """dead: pids that are gone on purpose (fork_inherit --kill-parent) and cannot be translated.
-        top: the workload's top process when it has no role (a launcher)."""
+        top: the workload's top process when it has no role (a launcher). extra: more fields (a port)."""
         pids = ([top] if top else []) + list(roles.values())
         line = {"scenario": scenario, "pids": list(dict.fromkeys(pids)), "roles": roles,
                 "holders": holders}
+        line.update(extra or {})
         if dead:
             line["dead"] = dead
         self._write(json.dumps(line) + "\n")
@@ -646,6 +647,41 @@ def run_ipc_consumer(args, reporter):
     sleep_forever()
 
 
+def run_tcp_server(args, reporter):
+    """An inference server: a context on --minors, listening on loopback; it answers each client once it has
+    accepted it, so the client's report means both ends are open fds (issue 18: a link that is not a job)."""
+    set_name("api_server")
+    keep = make_contexts(args)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)
+    clients = []
+
+    def serve():
+        while True:
+            conn = listener.accept()[0]
+            clients.append(conn)
+            conn.sendall(b"ok\n")
+    threading.Thread(target=serve, daemon=True).start()
+    reporter.report(args.scenario, {"server": os.getpid()}, [os.getpid()], extra={"port": listener.getsockname()[1]})
+    sleep_forever()
+    return keep, clients
+
+
+def run_tcp_client(args, reporter):
+    """A trainer: a context on --minors and one open connection to a tcp_server's --connect port."""
+    if not args.connect:
+        raise WorkloadError("tcp_client needs --connect PORT")
+    set_name("trainer")
+    keep = make_contexts(args)
+    link = socket.create_connection(("127.0.0.1", args.connect), timeout=30)
+    if link.makefile("rb").readline() != b"ok\n":
+        raise WorkloadError("the server on port %d did not answer" % args.connect)
+    reporter.report(args.scenario, {"client": os.getpid()}, [os.getpid()])
+    sleep_forever()
+    return keep, link
+
+
 def driver_procs(args, minor):
     """{pid: MiB} NVML lists on minor for this process's view (the driver's text snapshot)."""
     path = args.socket or os.environ.get("NVIDIA_LAB_SOCKET") or DEFAULT_SOCKET
@@ -679,7 +715,8 @@ def run_scenario(args, reporter):
          "mmap_only": run_mmap_only, "tp_server": run_tp_server, "monitor": run_monitor,
          "bystander_cpu": run_bystander_cpu, "stray_context": run_stray_context, "tp_nccl": run_tp_nccl,
          "two_parents": run_two_parents, "ipc_consumer": run_ipc_consumer,
-         "launcher_respawn": run_launcher_respawn}[name](args, reporter)
+         "launcher_respawn": run_launcher_respawn, "tcp_server": run_tcp_server,
+         "tcp_client": run_tcp_client}[name](args, reporter)
 
 
 # ---- launching ----
@@ -696,6 +733,7 @@ def parse_args(argv):
     parser.add_argument("--respawn-map-delay", type=float, default=0.0, metavar="S",
                         help="launcher_respawn: a replacement worker waits S seconds before it maps its GPU "
                              "(a real CUDA program needs seconds to start)")
+    parser.add_argument("--connect", type=int, metavar="PORT", help="tcp_client: the tcp_server's loopback port")
     parser.add_argument("--fake-secret", action="store_true", help="put '--api-key sk-secret' in the cmdline")
     parser.add_argument("--api-key", help=argparse.SUPPRESS)
     parser.add_argument("--socket", help="driver socket (default $NVIDIA_LAB_SOCKET or %s)" % DEFAULT_SOCKET)

@@ -643,3 +643,23 @@ def test_markers_are_found_behind_two_ttys():
     out = node + b'\r\n' + container + b'\r\r\n\r\r\n{"rc": 1}\r\r\n' + end + b' 1\r\n'
     assert conn._judge(1, out, b'Shared connection to 127.0.9.1 closed.\r\n') == \
         (1, b'\r\r\n{"rc": 1}\r\r\n', b'Shared connection to 127.0.9.1 closed.\r\n')
+
+
+def test_a_transfer_stuck_on_the_node_ends_at_transfer_timeout(local_node, tmp_path):
+    """Issue 18: pct itself hangs on the node (a held lock); the node's own timeout ends the transfer."""
+    hung_pct = tmp_path / 'pct-hung'
+    hung_pct.write_text('#!/bin/sh\nexec sleep 60\n')
+    hung_pct.chmod(0o755)
+    src = tmp_path / 'f'
+    src.write_bytes(b'x')
+    local_node.set_options(var_options={'ansible_host': NODE, 'pct_vmid': 101, 'pct_transfer_timeout': 1,
+                                        'ansible_ssh_executable': local_node.get_option('ssh_executable'),
+                                        'pct_executable': str(hung_pct), 'ansible_ssh_args': '', 'ansible_user': 'root'})
+    for transfer in (lambda: local_node.put_file(str(src), str(tmp_path / 'copy')),
+                     lambda: local_node.fetch_file(str(src), str(tmp_path / 'back'))):
+        started = time.monotonic()
+        with pytest.raises(AnsibleError) as info:
+            transfer()
+        assert time.monotonic() - started < 30      # the stand-in pct sleeps 60 s
+        assert 'transfer_timeout' in str(info.value) and '\n' not in str(info.value), str(info.value)
+    assert not (tmp_path / 'back').exists()

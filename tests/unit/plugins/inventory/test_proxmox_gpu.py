@@ -579,3 +579,21 @@ def test_unreadable_nodes_without_containers_leave_only_the_node_hosts_out(tmp_p
     # With containers listed, the node addresses are needed: the inventory fails, as before.
     with pytest.raises(AnsibleParserError, match="GET cluster/status failed: 403"):
         run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": denied}))
+
+
+def test_the_node_and_the_inventory_read_one_config_alike():
+    """Issue 18: one parser (module_utils/_pveconf) for /etc/pve/lxc/VMID.conf on the node and the API's config."""
+    from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+    text = ("hostname: ct101\n"
+            "dev0: /dev/nvidia4,deny-write=1\n"          # read-only: no CUDA context can use it
+            "dev1: /dev/nvidia5,deny-write=0\n"
+            "lxc.cgroup2.devices.allow: c 195:1 rwm\n"
+            "lxc.mount.entry: /dev/nvidia1 dev/nvidia1 none bind,optional,create=file\n"
+            "lxc.mount.entry: /dev/nvidia2 dev/nvidia2 none bind,optional,create=file\n"   # no cgroup rule allows it
+            "\n[snap]\ndev2: /dev/nvidia7\n")
+    api = {"hostname": "ct101", "dev0": "/dev/nvidia4,deny-write=1", "dev1": "/dev/nvidia5,deny-write=0",
+           "lxc": [["lxc.cgroup2.devices.allow", "c 195:1 rwm"],
+                   ["lxc.mount.entry", "/dev/nvidia1 dev/nvidia1 none bind,optional,create=file"],
+                   ["lxc.mount.entry", "/dev/nvidia2 dev/nvidia2 none bind,optional,create=file"]]}
+    usable = [int(path[len("/dev/nvidia"):]) for path in proxmox_gpu.gpu_devices(api)]
+    assert usable == [1, 5] and node.parse_pve_conf(text)["minors"] == usable

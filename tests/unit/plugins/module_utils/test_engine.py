@@ -186,7 +186,7 @@ def test_fmt_and_missing_lib_message():
 
 
 def test_an_ancestor_holding_a_gpu_is_protected_counted_and_never_signalled(proc):
-    from ansible_collections.gpuops.fleet.plugins.module_utils._release import decide
+    from ansible_collections.gpuops.fleet.plugins.module_utils._decide import decide
     proc.add(1, comm="init", ppid=0)
     proc.add(50, comm="python3", ppid=1, maps=ctx(0) + [CTL, UVM], fds=["/dev/nvidia0"])   # runs the module
     proc.add(100, comm="python3", ppid=50)                                                  # the module itself

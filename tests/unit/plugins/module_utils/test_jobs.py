@@ -1,4 +1,5 @@
 """Jobs from real sockets: processes linked by loopback TCP, read from the real /proc."""
+import os
 import socket
 import subprocess
 import sys
@@ -40,25 +41,39 @@ def procs():
         proc.wait()
 
 
-def start(procs, code, *args):
-    proc = subprocess.Popen([sys.executable, "-c", code] + list(args), stdout=subprocess.PIPE, text=True)
+def start(procs, code, *args, **kwargs):
+    proc = subprocess.Popen([sys.executable, "-c", code] + list(args), stdout=subprocess.PIPE, text=True, **kwargs)
     procs.append(proc)
     return proc
 
 
-def test_connected_processes_form_one_job_and_a_bystander_none(procs):
-    listener = start(procs, LISTENER)
+def connected_pair(procs, env=None):
+    listener = start(procs, LISTENER, env=env)
     port = listener.stdout.readline().strip()
-    peer = start(procs, PEER, port)
+    peer = start(procs, PEER, port, env=env)
     assert peer.stdout.readline().strip() == "ready"
     assert listener.stdout.readline().strip() == "accepted"    # its end of the link is an fd only from now on
-    bystander = start(procs, "import time; time.sleep(60)")
+    return listener, peer
+
+
+@pytest.mark.parametrize("rendezvous", [True, False], ids=["same_rendezvous", "no_signature"])
+def test_connected_processes_are_one_job_only_with_a_rank_signature(procs, rendezvous):
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT="29500", WORLD_SIZE="2") if rendezvous else None
+    listener, peer = connected_pair(procs, env)
+    bystander = start(procs, "import time; time.sleep(60)", env=env)
     records = [record(p.pid) for p in (listener, peer, bystander)]
     assert records[0]["_sockets"] and records[1]["_sockets"]
-    assert links(records) == set([(min(listener.pid, peer.pid), max(listener.pid, peer.pid))])
-    jobs = find_jobs(records)
-    assert list(jobs.values())[0]["pids"] == sorted([listener.pid, peer.pid])
-    assert records[2]["job"] is None and records[0]["job"] == records[1]["job"]
+    pair = sorted([listener.pid, peer.pid])
+    assert links(records) == set([tuple(pair)])
+    jobs, linked = find_jobs(records)
+    if rendezvous:
+        assert linked == [] and list(jobs.values())[0]["pids"] == pair
+        assert list(jobs.values())[0]["signature"] == [
+            "distributed-run settings MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 WORLD_SIZE=2"]
+        assert records[2]["job"] is None and records[0]["job"] == records[1]["job"]
+    else:   # two different programs (a client and its server) are linked, never a job
+        assert jobs == {} and linked == [{"pids": pair, "why": "connected by TCP, not one job: no rank signature"}]
+        assert [r["job"] for r in records] == [None, None, None]
 
 
 def test_a_shared_inherited_socket_is_no_link(procs):
@@ -74,7 +89,7 @@ def test_a_shared_inherited_socket_is_no_link(procs):
         procs.extend(kids)
         records = [record(k.pid) for k in kids]
         assert records[0]["_sockets"] and records[0]["_sockets"] == records[1]["_sockets"]
-        assert links(records) == set() and find_jobs(records) == {}
+        assert links(records) == set() and find_jobs(records) == ({}, [])
     finally:
         for sock in (a, b, srv):
             sock.close()

@@ -76,11 +76,14 @@ def test_decide_unpinned_holder_only_when_every_gpu_is_targeted(proc):
     assert pids(decision.to_signal) == [30] and decision.skipped == []
 
 
-def test_decide_unpinned_holder_named_by_nvml_on_a_target(proc):
+def test_nvml_naming_a_holder_without_a_context_there_is_stale_and_pins_nothing(proc):
     def setup(p):
         p.add(31, maps=[CTL, UVM], fds=[CTL, UVM, "/dev/nvidia0"])
     engine, report = recorded(proc, [{"minor": 0, "used_mib": 10, "procs": [(31, 10)]}, {"minor": 1}], setup)
-    assert pids(decide(report, [0], [0, 1]).to_signal) == [31]
+    assert report.nvml_stale == [{"gpu": 0, "pid": 31, "used_mib": 10, "why": "pid 31 here has no context on GPU 0"}]
+    decision = decide(report, [0], [0, 1])
+    assert decision.to_signal == [] and "not pinned to any GPU" in decision.skipped[0]["reason"]
+    assert pids(decide(report, [0, 1], [0, 1]).to_signal) == [31]
 
 
 # ---- several GPUs (GPU_FACTS rows 9-21)
@@ -156,8 +159,9 @@ def test_legacy_host_pids_are_not_trusted_and_pinning_is_conservative(proc):
         p.add(61, maps=vis(0) + vis(1) + vis(2), fds=["/dev/nvidia1"])
     engine, report = recorded(proc, gpus_with({0: [(729, 2048)]}), setup)
     assert report.as_dict()["nvml_pids_trusted"] is False
+    assert [g["nvml_pids_trusted"] for g in report.gpus] == [False, True, True]
     holders = dict((h["pid"], h) for h in report.holders)
-    assert holders[60]["gpus"] == [0] and "nvml_pids_untrusted" in holders[60]["evidence"]
+    assert holders[60]["gpus"] == [0] and holders[60]["evidence"] == ["mapping", "nvml_stale"]
     assert holders[61]["gpus"] == [] and 729 not in holders
     assert any(line.startswith("NVML names pid 729 on GPU 0, but pid 729 here maps no /dev/nvidia* node")
                for line in report.diagnosis)
@@ -176,7 +180,8 @@ def test_tcp_linked_holders_are_one_job_refused_unless_collateral_stop(proc):
         p.add(72, comm="other", maps=vis(0) + vis(1) + ctx(2), fds=["/dev/nvidia2", "socket:[1002]"],
               netns="n2", tcp=table)   # same inode, another namespace: no link
     engine, report = recorded(proc, gpus_with({0: [(70, 3000)], 1: [(71, 3000)], 2: [(72, 3000)]}), setup)
-    assert report.as_dict()["jobs"] == [{"id": 70, "pids": [70, 71], "gpus": [0, 1]}]
+    assert report.as_dict()["jobs"] == [{"id": 70, "pids": [70, 71], "gpus": [0, 1],
+                                         "signature": ["rank siblings: the same argv apart from numbers"]}]
     decision = decide(report, [0], [0, 1, 2])
     assert len(decision.refusals) == 1 and "pids 70, 71" in decision.refusals[0]
     assert "collateral: stop (stops the whole job)" in decision.refusals[0]
@@ -185,7 +190,7 @@ def test_tcp_linked_holders_are_one_job_refused_unless_collateral_stop(proc):
     assert pids(decide(report, [0, 1], [0, 1, 2]).to_signal) == [70, 71]
 
 
-def test_residue_of_a_dead_rank_is_charged_to_the_surviving_job(proc):
+def test_residue_is_charged_to_a_job_only_when_this_run_saw_its_rank_there_die(proc):
     a, b, c = "0100007F:1F90", "0100007F:C350", "0100007F:C351"
     table = [(1001, a, b), (1002, b, a), (1003, a, c), (1004, c, a)]
 
@@ -194,6 +199,11 @@ def test_residue_of_a_dead_rank_is_charged_to_the_surviving_job(proc):
               netns="n", tcp=table)
         p.add(82, comm="tp_rank2", maps=vis(0) + vis(1) + ctx(2), fds=["socket:[1002]"], netns="n", tcp=table)
     engine, report = recorded(proc, gpus_with({0: [(80, 3000)], 2: [(82, 3000)]}, extra={1: 291}), setup)
+    assert report.gpus[1]["residue"] is None and report.gpus[1]["unattributed_mib"] == 291   # no rank seen leaving
+    assert decide(report, [1], [0, 1, 2], collateral="stop").to_signal == []
+    # this run saw rank 81 (3000 MiB on GPU 1) of the job of 80 and 82 die
+    engine.rank_deaths = {1: [{"pid": 81, "mib": 3000, "survivors": [80, 82]}]}
+    report = engine.snapshot([0, 1, 2])
     gpu1 = report.gpus[1]
     assert gpu1["residue"] == {"job": 80, "pids": [80, 82], "mib": 291} and gpu1["holders"] == []
     assert any(line.startswith("GPU 1 (minor 1): 291 MiB are held by the surviving ranks of the job of pid 80")
@@ -638,10 +648,16 @@ class HeldByContainer(object):
     """An engine whose snapshot shows container 101 holding GPU 0."""
     proc_root = "/proc"
 
+    def gpu(self, index):
+        return {"index": index, "uuid": "GPU-00000000-0000-0000-0000-000000000000"}
+
+    def stale_listing(self):
+        return False
+
     def snapshot(self, targets):
         class Report(object):
             gpus = [{"index": 0, "free": False, "by_container": {"101": 1000}}]
-            holders = []
+            holders, nvml_stale, unknown_gpus = [], [], []
         return Report()
 
 
@@ -659,9 +675,70 @@ def test_the_container_rung_reads_the_lock_again_right_before_the_restart():
 
 
 def test_a_container_restart_counts_an_unpinned_holders_other_gpus_as_collateral():
-    from ansible_collections.gpuops.fleet.plugins.module_utils._release import _restart_collateral
+    from ansible_collections.gpuops.fleet.plugins.module_utils._decide import restart_collateral
     pinned = {"gpus": [0, 2], "shares_mib": {0: 9000, 2: 5000}, "context_gpus": [0, 2], "ambiguous_gpus": []}
     unpinned = {"gpus": [], "shares_mib": {}, "context_gpus": [0, 1, 3], "ambiguous_gpus": [], "unattributed": True}
-    assert _restart_collateral([pinned], {0}, 640) == [(2, 5000)]
-    assert _restart_collateral([pinned, unpinned], {0}, 640) == [(1, None), (2, 5000), (3, None)]
-    assert _restart_collateral([unpinned], {0, 1, 3}, 640) == []
+    assert restart_collateral([pinned], {0}, 640) == [(2, 5000)]
+    assert restart_collateral([pinned, unpinned], {0}, 640) == [(1, None), (2, 5000), (3, None)]
+    assert restart_collateral([unpinned], {0, 1, 3}, 640) == []
+
+
+def test_a_rank_that_dies_during_the_run_charges_its_residue_to_the_survivors(proc):
+    """The releaser tells the engine which ranks of the jobs it saw at the start are gone (issue 18 residue)."""
+    import shutil
+    a, b = "0100007F:1F90", "0100007F:C350"
+    table = [(1001, a, b), (1002, b, a)]
+
+    def setup(p):
+        p.add(80, comm="tp_rank0", maps=ctx(0) + vis(1), fds=["socket:[1001]"], netns="n", tcp=table)
+        p.add(81, comm="tp_rank1", maps=vis(0) + ctx(1), fds=["socket:[1002]"], netns="n", tcp=table)
+    gpus = [{"minor": 0, "used_mib": 3000, "procs": [(80, 3000)]}, {"minor": 1, "used_mib": 3000, "procs": [(81, 3000)]}]
+    engine, report = recorded(proc, gpus, setup)
+    releaser = Releaser(engine, [1])
+    releaser.prepare(report)
+    assert releaser.refusals        # part of a job: refused before any signal
+    shutil.rmtree(os.path.join(proc.root, "81"))     # rank 1 dies; its peer keeps 291 MiB on GPU 1 (row 19)
+    gpus[1].update(used_mib=291, procs=[])
+    fresh = releaser._fresh_report()
+    assert engine.rank_deaths == {1: [{"pid": 81, "mib": 3000, "survivors": [80]}]}
+    assert fresh.gpus[0]["residue"] is None        # a one-rank "job" is no job any more: nothing to charge
+    proc.add(82, comm="tp_rank2", maps=vis(0) + vis(1), fds=["socket:[1002]"], netns="n", tcp=table)
+    fresh = releaser._fresh_report()
+    assert fresh.gpus[0]["residue"] == {"job": 80, "pids": [80, 82], "mib": 291}
+
+
+def test_a_reset_gpu_that_does_not_come_back_is_not_free_though_its_index_now_names_a_free_one(lab, tmp_path):
+    """Issue 18: targets are UUIDs; after the reset's NVML re-init, index 0 is the other (idle) GPU."""
+    flag, gone = tmp_path / "reset-done", tmp_path / "gpu-gone"
+    smi = tmp_path / "nvidia-smi"
+    # the reset returns once the GPU is gone, as a real one that falls off the bus during its reset
+    smi.write_text("#!/bin/sh\ntouch %s\nwhile [ ! -e %s ]; do sleep 0.01; done\necho GPU reset\n" % (flag, gone))
+    smi.chmod(0o755)
+    lab.stop.set()   # no follower: this GPU's memory leaked, no process holds it
+    time.sleep(0.05)
+    lab.fake.gpus[0].update(used_mib=4096, procs=[])
+    lost_uuid = "GPU-00000000-0000-0000-0000-000000000000"
+
+    def gone_after_reset():
+        while not flag.exists():
+            time.sleep(0.01)
+        del lab.fake.gpus[0]      # NVML now counts one GPU, the idle one, as index 0
+        gone.touch()
+    threading.Thread(target=gone_after_reset, daemon=True).start()
+    options = dict(OPTS, verify_timeout=0.3, gpu_reset=True, reset_timeout=5.0, nvidia_smi=str(smi))
+    failed, msg, result = release(lab.engine(), [0], options, lock_dir=str(tmp_path / "locks"))
+    assert [(a["signal"], a["outcome"].split(":")[0]) for a in result["actions"]] == [("reset", "done")]
+    assert failed and lost_uuid in msg and "not free" in msg, msg
+    assert "verified free" not in msg
+
+
+def test_a_target_found_again_at_another_index_is_read_there(lab, tmp_path):
+    engine = lab.engine()
+    engine.start()
+    releaser = Releaser(engine, [1])
+    lab.fake.gpus.reverse()                  # after a re-init, NVML lists the targeted GPU first
+    lab.fake.gpus[0]["used_mib"] = 2048
+    engine.nvml.init()
+    assert not releaser._memory_free() and releaser.targets == [0] and releaser.missing == []
+    lab.fake.gpus[0]["used_mib"] = 0
+    assert releaser._memory_free()

@@ -117,7 +117,7 @@ def test_nvml_is_read_before_proc_and_a_contradiction_is_read_again(proc):
     engine.scan, engine.nvml.processes = scan_then_map, listed
     report = engine.snapshot([0])
     assert order == ["nvml", "proc"]
-    assert report.untrusted_pids == [] and [h["pid"] for h in report.holders] == [10]
+    assert report.nvml_stale == [] and [h["pid"] for h in report.holders] == [10]
     assert report.gpus[0]["holders"] == [10]
 
 
@@ -127,7 +127,7 @@ def test_a_pid_that_still_contradicts_nvml_after_the_second_read_is_distrusted(p
                     proc_root=proc.root, self_pid=999999)
     engine.start()
     report = engine.snapshot([0])
-    assert report.untrusted_pids == [10] and report.holders == []
+    assert [e["pid"] for e in report.nvml_stale] == [10] and report.holders == []
 
 
 def test_the_same_program_still_starting_under_the_same_parent_is_a_respawn_at_the_windows_end(proc):

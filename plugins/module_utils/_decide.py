@@ -1,0 +1,210 @@
+# Copyright (c) 2026 gpuops
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The decision step (private helper): pure functions from evidence, targets and options to a plan.
+
+Who is signalled, who is left alone and why, and what stops the task before any signal. It reads
+only the records of a Report (the evidence) and never /proc, NVML or a signal: the act layer
+(_release) asks it again on fresh evidence.
+"""
+
+from __future__ import annotations
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
+from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import matches
+
+
+COLLATERAL_CHOICES = ("refuse", "stop")
+
+
+def restart_collateral(holders, targets, tolerance_mib):
+    """[(index, MiB or None)] of the untargeted GPUs a container restart would free: each pinned holder's shares
+    over the tolerance, and, of an unpinned holder, every untargeted GPU it has a context on (size unknown)."""
+    over = {}
+    for record in holders:
+        for index, mib in pinning.untargeted_shares(record, targets, tolerance_mib)[0]:
+            if over.get(index) is None:
+                over[index] = mib
+        if not record["gpus"]:
+            for index in record.get("context_gpus", []) + record.get("ambiguous_gpus", []):
+                if index not in targets:
+                    over.setdefault(index, None)
+    return sorted(over.items())
+
+
+def restart_unknown(holders):
+    """Minors of GPUs NVML cannot describe that a container restart would also free (an unknown amount)."""
+    return sorted(set(m for record in holders for m in record.get("unknown_gpus") or ()))
+
+
+def mib_list(pairs):
+    return ", ".join("GPU %d (%s)" % (index, "an unknown amount" if mib is None else "%d MiB" % mib)
+                     for index, mib in pairs)
+
+
+def _unpinned_reason(record, why):
+    mapped = ", ".join(str(i) for i in record["maps_gpus"]) or "none"
+    if why == "ambiguous":
+        return ("ambiguous: the evidence on GPU %s fits more than one holder, so it is not pinned; it maps GPUs %s "
+                "and is signalled only when all of them are targeted"
+                % (", ".join(str(i) for i in record["ambiguous_gpus"]), mapped))
+    return ("not pinned to any GPU (NVML does not name it and shows no orphaned memory where it maps a context); it "
+            "maps GPUs %s and is signalled only when all of them are targeted" % mapped)
+
+
+class Decision(object):
+    """Who gets signalled, who is left alone and why, and what would stop the task before any signal."""
+
+    def __init__(self):
+        self.to_signal = []     # records, each with "_why"
+        self.skipped = []       # {pid, name, reason}
+        self.refusals = []      # messages; any of them fails the task before a signal
+        self.jobs = {}          # job id -> {"id", "pids", "gpus"} of the jobs touched
+
+
+def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_pids=(), collateral="refuse",
+           tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB, scope=None):
+    """Split the holders of the targeted GPUs into those to signal and those left alone, with collateral checks.
+
+    Pure: works on a Report's records, so it can be tested on recorded states.
+    """
+    targets = set(targets)
+    all_targeted = set(all_gpu_indexes) <= targets
+    residue_jobs = set(job for index, job in report.residue.items() if index in targets)
+    decision = Decision()
+    chosen = {}
+
+    def consider(record, why):
+        reason = _protected_reason(record, match, protect, protect_pids) or (scope.reason(record) if scope else None)
+        if reason:
+            decision.skipped.append(_skip(record, reason))
+            return False
+        record["_why"] = why
+        chosen[record["pid"]] = record
+        return True
+
+    for record in report.holders:
+        why = pinning.relevance(record, targets, all_targeted)
+        if why is None and record["job"] in residue_jobs:
+            why = "job_residue"
+        if why in ("ambiguous", "unpinned"):
+            decision.skipped.append(_skip(record, _unpinned_reason(record, why)))
+        elif why:
+            consider(record, why)
+    in_job_refusal = set()
+    for job_id in sorted(set(r["job"] for r in chosen.values() if r["job"] is not None)):
+        job = report.jobs[job_id]
+        job_gpus = report.job_gpus(job_id)
+        decision.jobs[job_id] = {"id": job_id, "pids": job["pids"], "gpus": job_gpus, "signature": job["signature"]}
+        skipped_pids = dict((k["pid"], k["reason"]) for k in decision.skipped)
+        excluded = [m for m in job["members"] if m["pid"] in skipped_pids]
+        outside = [m for m in job["members"] if m["pid"] not in chosen and m["pid"] not in skipped_pids]
+        over = sorted(set(pair for m in job["members"] for pair in pinning.untargeted_shares(m, targets, tolerance_mib)[0]))
+        first = min(job["pids"])
+        members = ", ".join(str(p) for p in job["pids"])
+        picked = chosen[min(p for p in job["pids"] if p in chosen)]
+        if excluded:
+            in_job_refusal.update(job["pids"])
+            decision.refusals.append(
+                "pid %d (%s) belongs to the job of pid %d (pids %s; processes linked by sockets are one unit), but "
+                "pid %d (%s) of that job may not be signalled (%s): stopping part of a job leaves the rest hung; "
+                "nothing was signalled" % (picked["pid"], picked["name"], first, members, excluded[0]["pid"],
+                                           excluded[0]["name"], skipped_pids[excluded[0]["pid"]]))
+            continue
+        if not outside and not over:
+            continue
+        if collateral == "stop":
+            for member in outside:
+                if not consider(member, "job_member"):
+                    decision.refusals.append(
+                        "pid %d (%s) belongs to the job of pid %d (pids %s) but may not be signalled (%s): stopping "
+                        "part of a job leaves the rest hung; nothing was signalled"
+                        % (member["pid"], member["name"], first, members, decision.skipped[-1]["reason"]))
+            continue
+        in_job_refusal.update(job["pids"])
+        untargeted = sorted(set(i for i in job_gpus if i not in targets))
+        decision.refusals.append(
+            "pid %d (%s) is one of the processes of a job linked by sockets (pids %s; a tensor-parallel job is one "
+            "unit) that holds GPUs %s; %s not targeted%s: stopping part of it leaves the rest hung and residue on the "
+            "targeted GPUs; nothing was signalled. To go on, set collateral: stop (stops the whole job), or target "
+            "%s too"
+            % (min(p for p in job["pids"] if p in chosen), chosen[min(p for p in job["pids"] if p in chosen)]["name"],
+               ", ".join(str(p) for p in job["pids"]), ", ".join(str(i) for i in job_gpus),
+               gpu_list_words(untargeted), " (%s)" % mib_list(over) if over else "", gpu_list_words(untargeted)))
+    unknown_index = dict((u["minor"], u["index"]) for u in getattr(report, "unknown_gpus", ()))
+    for record in sorted(chosen.values(), key=lambda r: r["pid"]):
+        unknown = [m for m in record.get("unknown_gpus") or () if unknown_index.get(m) not in targets]
+        if unknown and collateral != "stop" and record["pid"] not in in_job_refusal:
+            decision.refusals.append(
+                "pid %d (%s) also has a context on %s, which NVML cannot describe (lost, or its calls fail): "
+                "stopping it would free an unknown amount there, and maybe stop its work; nothing was signalled. "
+                "To go on, set collateral: stop" % (record["pid"], record["name"], unknown_words(unknown, unknown_index)))
+            continue
+        over, dummy = pinning.untargeted_shares(record, targets, tolerance_mib)
+        if over and collateral != "stop" and record["pid"] not in in_job_refusal:
+            decision.refusals.append(
+                "pid %d (%s) holds %s, which %s not targeted, beyond the %d MiB of a bare context "
+                "(collateral_tolerance_mib): stopping it would stop its work there; nothing was signalled. To go on, "
+                "set collateral: stop, or target %s too"
+                % (record["pid"], record["name"], mib_list(over), "is" if len(over) == 1 else "are", tolerance_mib,
+                   gpu_list_words([i for i, dummy in over])))
+    decision.to_signal = sorted(chosen.values(), key=lambda r: r["pid"])
+    return decision
+
+
+def unknown_words(minors, unknown_index):
+    return ", ".join("the GPU of minor %d%s" % (m, "" if unknown_index.get(m) is None else " (GPU %d)" % unknown_index[m])
+                     for m in minors)
+
+
+def gpu_list_words(indexes):
+    return ("GPU " if len(indexes) == 1 else "GPUs ") + ", ".join(str(i) for i in indexes)
+
+
+def _protected_reason(record, match, protect, protect_pids):
+    argv_line = " ".join(record.get("_argv") or ())
+    if record["pid"] == 1:
+        return "pid 1 is never signalled"
+    if record["pid"] in protect_pids:
+        return "part of the module's own process tree"
+    if record.get("protected_name"):
+        return "%s is on the built-in protect list" % record["protected_name"]
+    if protect is not None and protect.reason(record["pid"], record["names"], argv_line):
+        return protect.reason(record["pid"], record["names"], argv_line)
+    if not matches(match, record["names"], argv_line):
+        return "does not match `match` (%s)" % match.pattern
+    return None
+
+
+def _skip(record, reason):
+    return {"pid": record["pid"], "name": record["name"], "reason": reason}
+
+
+def plan_entry(record, targets, decision, tolerance_mib):
+    """One line of the plan: whom, for which targeted GPUs, what else it frees, and its job."""
+    targets = set(targets)
+    why = record.get("_why")
+    if why == "pinned":
+        gpus = sorted(targets & set(record["gpus"]))
+    elif why == "unpinned_all_mapped":
+        gpus = sorted(record["maps_gpus"]) or sorted(targets)
+    else:
+        gpus = sorted(targets & set(decision.jobs.get(record["job"], {}).get("gpus", ())))
+    over, under = pinning.untargeted_shares(record, targets, tolerance_mib)
+    side = [{"index": i, "mib": mib} for i, mib in sorted(over + under)]
+    note = "SIGKILL only if it still holds a targeted GPU after term_timeout"
+    if record["defunct_leader"]:
+        note += "; a defunct leader with %d live threads" % (record["live_threads"] or 0)
+    if side:
+        note += "; frees %s as a side effect" % mib_list([(s["index"], s["mib"]) for s in side])
+    if record.get("unknown_gpus"):
+        note += "; also has a context on a GPU NVML cannot describe (minor %s): an unknown amount" % ", ".join(
+            str(m) for m in record["unknown_gpus"])
+    if why == "job_member":
+        note += "; stopped with its job (collateral: stop)"
+    elif why == "job_residue":
+        note += "; its job keeps residue on a targeted GPU"
+    elif why == "unpinned_all_mapped":
+        note += "; not pinned, but every GPU it maps is targeted"
+    return {"pid": record["pid"], "name": record["name"], "gpus": gpus, "side_effect_gpus": side,
+            "job": decision.jobs.get(record["job"]), "evidence": list(record["evidence"]),
+            "unattributed": record["unattributed"], "why": why, "signals": ["SIGTERM", "SIGKILL"], "note": note}

@@ -196,10 +196,13 @@ def test_check_mode_reports_the_same_and_changes_nothing(lab, scene):
 
 
 def test_missing_libraries_give_one_line(lab):
+    """ct103's Python has neither psutil nor nvidia-ml-py: read-only gpu_status needs only the second (issue 18)."""
     play = lab.play("ct103", "gpu_status")
     assert play.failed
     msg = play["msg"]
-    assert "\n" not in msg and "psutil" in msg and "-m pip install psutil" in msg
+    assert "\n" not in msg and "-m pip install nvidia-ml-py" in msg and "psutil" not in msg
+    release = lab.play("ct103", "gpu_release", {"gpus": [0]})
+    assert release.failed and "\n" not in release["msg"] and "-m pip install psutil" in release["msg"]
 
 
 def test_gpu_is_lost_is_a_named_failure(lab, scene):

@@ -238,6 +238,13 @@ def test_free_is_only_read_from_every_targeted_uuid_after_any_reinit(seed):
     targets = sorted(rng.sample(range(len(gpus)), rng.randint(1, len(gpus))))
     wanted = [fake.nvmlDeviceGetUUID(i) for i in targets]
     releaser = Releaser(engine, targets)
+    try:
+        steps(rng, fake, engine, releaser, wanted, seed)
+    finally:
+        engine.nvml.shutdown()      # its worker thread ends: thousands of examples leave none behind
+
+
+def steps(rng, fake, engine, releaser, wanted, seed):
     for dummy in range(rng.randint(1, 6)):
         step = rng.random()
         if step < 0.3:

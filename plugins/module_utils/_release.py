@@ -43,8 +43,8 @@ GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wa
 RESPAWN_WINDOW_S = 3.0   # how long to watch the parents of killed holders after the verdict
 RESPAWN_STARTING_S = 6.0  # longer while a new child of theirs is still starting (maps nothing yet)
 HEIR_ROUNDS = 3          # re-reads after the signals, for holders pinned only once their parent is dead
-HEIR_WAIT_S = 0.3
-SNAPSHOT_TRIES = 3       # reads of the GPUs while NVML is not opened again meanwhile (a new helper)        # memory of a reaped holder is back 0.12-0.2 s after SIGKILL (GPU_FACTS row 2)
+HEIR_WAIT_S = 0.3        # memory of a reaped holder is back 0.12-0.2 s after SIGKILL (GPU_FACTS row 2)
+SNAPSHOT_TRIES = 3       # reads of the GPUs while NVML is not opened again meanwhile (a new helper)
 NVIDIA_SMI_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/local/nvidia/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 
 

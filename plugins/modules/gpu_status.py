@@ -344,7 +344,9 @@ holders:
       type: int
       sample: 533
     unattributed:
-      description: True when it is pinned to no GPU (unpinned or ambiguous) and has no context on a GPU NVML cannot describe; such a holder is signalled only when every GPU it maps is targeted.
+      description:
+        - True when it is pinned to no GPU (unpinned or ambiguous) and has no context on a GPU NVML cannot describe.
+        - Such a holder is signalled only when every GPU it maps is targeted.
       type: bool
       sample: false
     unknown_gpus:

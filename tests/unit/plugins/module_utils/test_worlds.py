@@ -20,8 +20,8 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._decide import decide
 from ansible_collections.gpuops.fleet.plugins.module_utils._jobs import group_jobs, signatures
 
 WORLDS = int(os.environ.get("GPUOPS_WORLDS", "2000"))
-KINDS = ("plain", "plain", "fork_child", "hidden", "legacy", "two_lines")   # two_lines: a driver whose contexts
-                                                                             # map 2 lines, as a merely visible GPU
+# two_lines: a driver whose contexts map 2 lines, as a merely visible GPU does on driver 580
+KINDS = ("plain", "plain", "fork_child", "hidden", "legacy", "two_lines")
 
 
 def make_world(seed):

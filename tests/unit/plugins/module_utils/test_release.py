@@ -707,38 +707,43 @@ def test_a_rank_that_dies_during_the_run_charges_its_residue_to_the_survivors(pr
     assert fresh.gpus[0]["residue"] == {"job": 80, "pids": [80, 82], "mib": 291}
 
 
-def test_a_reset_gpu_that_does_not_come_back_is_not_free_though_its_index_now_names_a_free_one(lab, tmp_path):
+def idle_pair(proc, used0):
+    """Two GPUs over an empty fake /proc (no follower: nothing changes them but the test)."""
+    fake = FakeNvml([{"minor": 0, "used_mib": used0}, {"minor": 1, "used_mib": 0}])
+    engine = Engine(Nvml(2.0, lib=fake), proc_root=proc.root, self_pid=999999)
+    engine.start()
+    return fake, engine
+
+
+def test_a_reset_gpu_that_does_not_come_back_is_not_free_though_its_index_now_names_a_free_one(proc, tmp_path):
     """Issue 18: targets are UUIDs; after the reset's NVML re-init, index 0 is the other (idle) GPU."""
+    fake, engine = idle_pair(proc, 4096)       # GPU 0's memory leaked: no process holds it
     flag, gone = tmp_path / "reset-done", tmp_path / "gpu-gone"
     smi = tmp_path / "nvidia-smi"
     # the reset returns once the GPU is gone, as a real one that falls off the bus during its reset
     smi.write_text("#!/bin/sh\ntouch %s\nwhile [ ! -e %s ]; do sleep 0.01; done\necho GPU reset\n" % (flag, gone))
     smi.chmod(0o755)
-    lab.stop.set()   # no follower: this GPU's memory leaked, no process holds it
-    time.sleep(0.05)
-    lab.fake.gpus[0].update(used_mib=4096, procs=[])
     lost_uuid = "GPU-00000000-0000-0000-0000-000000000000"
 
     def gone_after_reset():
         while not flag.exists():
             time.sleep(0.01)
-        del lab.fake.gpus[0]      # NVML now counts one GPU, the idle one, as index 0
+        del fake.gpus[0]      # NVML now counts one GPU, the idle one, as index 0
         gone.touch()
     threading.Thread(target=gone_after_reset, daemon=True).start()
     options = dict(OPTS, verify_timeout=0.3, gpu_reset=True, reset_timeout=5.0, nvidia_smi=str(smi))
-    failed, msg, result = release(lab.engine(), [0], options, lock_dir=str(tmp_path / "locks"))
+    failed, msg, result = release(engine, [0], options, lock_dir=str(tmp_path / "locks"))
     assert [(a["signal"], a["outcome"].split(":")[0]) for a in result["actions"]] == [("reset", "done")]
     assert failed and lost_uuid in msg and "not free" in msg, msg
     assert "verified free" not in msg
 
 
-def test_a_target_found_again_at_another_index_is_read_there(lab, tmp_path):
-    engine = lab.engine()
-    engine.start()
+def test_a_target_found_again_at_another_index_is_read_there(proc):
+    fake, engine = idle_pair(proc, 0)
     releaser = Releaser(engine, [1])
-    lab.fake.gpus.reverse()                  # after a re-init, NVML lists the targeted GPU first
-    lab.fake.gpus[0]["used_mib"] = 2048
+    fake.gpus.reverse()                      # after a re-init, NVML lists the targeted GPU first
+    fake.gpus[0]["used_mib"] = 2048
     engine.nvml.init()
     assert not releaser._memory_free() and releaser.targets == [0] and releaser.missing == []
-    lab.fake.gpus[0]["used_mib"] = 0
+    fake.gpus[0]["used_mib"] = 0
     assert releaser._memory_free()

@@ -378,8 +378,13 @@ class Lab:
         def node_init():  # unshare --fork's child: pid 1 of the node's pid namespace
             if not pid_alive(pid):
                 raise LabError("node %s exited: %s" % (node, _tail(os.path.join(ndir, "nodeinit.log"))))
-            kids = _children(pid)
-            return kids[0] if kids and os.stat("/proc/%d/ns/pid" % kids[0]).st_ino != _own_pidns() else None
+            for kid in _children(pid):
+                try:
+                    if os.stat("/proc/%d/ns/pid" % kid).st_ino != _own_pidns():
+                        return kid
+                except OSError:
+                    continue  # a child that exited between the listing and the stat (seen in CI): not the init
+            return None
 
         init_pid = wait_for(node_init, 15, what="the init of node %s" % node)
         path = os.path.join(ndir, "node.json")

@@ -239,22 +239,18 @@ def test_free_is_only_read_from_every_targeted_uuid_after_any_reinit(seed):
     wanted = [fake.nvmlDeviceGetUUID(i) for i in targets]
     releaser = Releaser(engine, targets)
     try:
-        steps(rng, fake, engine, releaser, wanted, seed)
+        for dummy in range(rng.randint(1, 6)):
+            step = rng.random()
+            if step < 0.3:
+                rng.shuffle(fake.gpus)
+                engine.nvml.init()
+            elif step < 0.45 and len(fake.gpus) > 1:
+                del fake.gpus[rng.randrange(len(fake.gpus))]
+                engine.nvml.init()
+            else:
+                rng.choice(fake.gpus)["used_mib"] = rng.choice((0, 64, 65, 4096))
+            now = dict(("GPU-%08d-0000-0000-0000-000000000000" % g["minor"], g["used_mib"]) for g in fake.gpus)
+            truly_free = all(uuid in now and now[uuid] <= engine.threshold_mib for uuid in wanted)
+            assert releaser._memory_free() == truly_free, (seed, wanted, now)
     finally:
         engine.nvml.shutdown()      # its worker thread ends: thousands of examples leave none behind
-
-
-def steps(rng, fake, engine, releaser, wanted, seed):
-    for dummy in range(rng.randint(1, 6)):
-        step = rng.random()
-        if step < 0.3:
-            rng.shuffle(fake.gpus)
-            engine.nvml.init()
-        elif step < 0.45 and len(fake.gpus) > 1:
-            del fake.gpus[rng.randrange(len(fake.gpus))]
-            engine.nvml.init()
-        else:
-            rng.choice(fake.gpus)["used_mib"] = rng.choice((0, 64, 65, 4096))
-        now = dict(("GPU-%08d-0000-0000-0000-000000000000" % g["minor"], g["used_mib"]) for g in fake.gpus)
-        truly_free = all(uuid in now and now[uuid] <= engine.threshold_mib for uuid in wanted)
-        assert releaser._memory_free() == truly_free, (seed, wanted, now)

@@ -141,7 +141,7 @@ def test_stop_with_a_frozen_task_times_out(lab):
         # vm_stop's die in the task: on stderr, pct exits -1 (255); run_command's warning is task output (stdout)
         assert (res.returncode, res.stderr.strip()) == (255, "container did not stop")
         assert res.stdout.strip() == "command 'lxc-stop -n 101 --kill' failed: got timeout"
-        assert STOP_TIMEOUT <= took < STOP_TIMEOUT + 4, took
+        assert STOP_TIMEOUT <= took < STOP_TIMEOUT + 30, took  # bounded, not hung
         assert lxc_stops(lab) == []
         # As LXC leaves it: still RUNNING to lxc-info and pct, the frozen task alive and its GPU memory held.
         assert lxc_state(lab, 101) == "RUNNING"
@@ -151,7 +151,7 @@ def test_stop_with_a_frozen_task_times_out(lab):
         # lxc-stop --kill did send its SIGKILL: thawing the task lets it land, and LXC finishes the stop.
         with open(os.path.join(run["freezer"], "freezer.state"), "w") as f:
             f.write("THAWED")
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while (host_alive(holder) or lxc_state(lab, 101) != "STOPPED") and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not host_alive(holder)

@@ -37,14 +37,14 @@ def test_a_blocked_read_is_bounded_and_the_pid_recorded(proc, reader):
     started = time.monotonic()
     with pytest.raises(procscan.ReadBlocked):
         procscan.read_bytes(path)
-    assert 0.5 <= time.monotonic() - started < 2
+    assert 0.5 <= time.monotonic() - started < 10
     info = reader.blocked[(proc.root, 300)]
     assert info["reason"] == "blocked" and info["state"] == "D" and info["path"] == path
     assert info["blocked_threads"][0]["wchan"] == "vm_mmap_pgoff"
     started = time.monotonic()
     with pytest.raises(procscan.ReadBlocked):
         procscan.read_bytes(os.path.join(proc.root, "300", "maps"))   # the same process: no second wait
-    assert time.monotonic() - started < 0.2
+    assert time.monotonic() - started < 0.5  # less than one timeout: no second wait
     assert reader.blocked_in(proc.root) == [info]
 
 

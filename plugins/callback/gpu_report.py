@@ -21,6 +21,9 @@ description:
     C(check) (check mode: nothing was done), C(failed) (no reading after the task failed), C(unreachable)."
   - The actions repeat only what the modules and the role return, which the modules already redacted
     (see the C(redact) option of the modules).
+  - A M(gpuops.fleet.gpu_release) delegated to a node for several containers (the node path of
+    C(playbooks/release_gpus.yml)) adds no row by itself; each container's own part of it does, through the role's
+    C(release_gpus_result).
   - Rows are keyed by inventory host. The node is the host variable C(proxmox_node) (set by
     gpuops.fleet.proxmox_gpu), else C(lab_node), else C(ansible_host); the container is C(pct_vmid),
     C(proxmox_vmid) or C(vmid), and null for a node.
@@ -252,16 +255,21 @@ def render_table(rows):
     return lines
 
 
-def ingest(report, action, res):
-    """Feed one task result (or loop item) into a HostReport."""
+def ingest(report, action, res, delegated=False):
+    """Feed one task result (or loop item) into a HostReport.
+
+    A gpu_release delegated to a node for several containers (the role's node path, RV per_container) ran on
+    behalf of all of them: each container reports its own part through its release_gpus_result, so the
+    delegated result itself adds no row to the host that happened to run it.
+    """
     if res.get("results") and isinstance(res["results"], list):
         for item in res["results"]:
             if isinstance(item, dict):
-                ingest(report, action, item)
+                ingest(report, action, item, delegated)
         return
     if action in STATUS_ACTIONS and res.get("gpus"):
         report.add_status(res)
-    elif action in RELEASE_ACTIONS and (res.get("before") or res.get("after")):
+    elif action in RELEASE_ACTIONS and (res.get("before") or res.get("after")) and not (delegated and res.get("per_container")):
         report.add_release(res)
     facts = res.get("ansible_facts") or {}
     if isinstance(facts.get("release_gpus_release"), dict):
@@ -312,7 +320,7 @@ class CallbackModule(CallbackBase):
         report = self._report(result)
         if failed and action in STATUS_ACTIONS + RELEASE_ACTIONS and not res.get("after"):
             report.failed = True
-        ingest(report, action, res)
+        ingest(report, action, res, delegated=bool(getattr(result._task, "delegate_to", None)))
 
     def v2_playbook_on_play_start(self, play):
         self._play = play

@@ -10,6 +10,7 @@ No AnsibleModule here.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import os
@@ -95,6 +96,18 @@ def read_pve_confs(conf_dir=PVE_LXC_DIR):
                 out[match.group(1)] = parse_pve_conf(f.read())
         except OSError:
             continue
+    return out
+
+
+def locked_containers(vmids, conf_dir=PVE_LXC_DIR):
+    """{vmid: why} for the vmids whose config carries a lock (backup, migrate, snapshot ...): left out of a release."""
+    confs = read_pve_confs(conf_dir) or {}
+    out = {}
+    for vmid in vmids:
+        lock = ((confs.get(str(vmid)) or {}).get("keys") or {}).get("lock")
+        if lock:
+            out[str(vmid)] = ("container %s is locked (%s): a backup, migration or snapshot is running; nothing of it "
+                              "was signalled or stopped; release it again when the lock is gone" % (vmid, lock))
     return out
 
 
@@ -217,6 +230,33 @@ def owner_of(pid, proc_root="/proc"):
     return st.st_uid, st.st_gid
 
 
+def as_fs_owner(uid, gid, call):
+    """call() with this thread's filesystem uid and gid set to uid and gid, then set back.
+
+    A filesystem mounted in an unprivileged container's user namespace (its /run tmpfs) refuses to create
+    a file for an owner it cannot map, as the node's root is: EOVERFLOW. The container's root can. The
+    filesystem ids are per thread (setfsuid is not broadcast to other threads), so nothing else changes.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    old_gid = libc.setfsgid(gid)
+    old_uid = libc.setfsuid(uid)
+    try:
+        return call()
+    finally:
+        libc.setfsuid(old_uid)
+        libc.setfsgid(old_gid)
+
+
+def _create(uid, gid, call):
+    """call(), or on EOVERFLOW (see as_fs_owner) call() as uid/gid."""
+    try:
+        return call()
+    except OSError as exc:
+        if exc.errno != errno.EOVERFLOW:
+            raise
+    return as_fs_owner(uid, gid, call)
+
+
 class RootLockDir(object):
     """A lock directory inside another root (a container's, through /proc/INIT/root), owned by that root's root.
 
@@ -235,7 +275,7 @@ class RootLockDir(object):
             for i, part in enumerate(self.parts):
                 last = i == len(self.parts) - 1
                 try:
-                    os.mkdir(part, 0o700 if last else 0o755, dir_fd=fd)
+                    _create(self.uid, self.gid, lambda: os.mkdir(part, 0o700 if last else 0o755, dir_fd=fd))
                     os.chown(part, self.uid, self.gid, dir_fd=fd, follow_symlinks=False)
                 except FileExistsError:
                     pass
@@ -264,7 +304,7 @@ class RootLockDir(object):
         lock file, reached through a container that shares the node's /run/lock) keeps its owner.
         """
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(name, flags, 0o600, dir_fd=dir_fd)
+        fd = _create(self.uid, self.gid, lambda: os.open(name, flags, 0o600, dir_fd=dir_fd))
         try:
             st = os.fstat(fd)
             if (st.st_dev, st.st_ino) not in keep_owner:

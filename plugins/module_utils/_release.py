@@ -23,6 +23,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pi
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 from ansible_collections.gpuops.fleet.plugins.module_utils import _respawn as respawn
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
+from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import (
     decide, gpu_list_words, mib_list, plan_entry, restart_collateral, restart_unknown,
@@ -308,8 +309,12 @@ class Releaser(object):
                  gpu_reset=False, lock_timeout=60.0, match=None, protect=None, deadline=None,
                  log=None, check_mode=False, lock_dir=LOCK_DIR, nvidia_smi=None, poll_s=POLL_S,
                  collateral="refuse", collateral_tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB, scope=None, shared_gpu="all",
-                 container_restart=False, restart_backend=None, container_timeout=60.0):
+                 container_restart=False, restart_backend=None, container_timeout=60.0, stop_found_units=False,
+                 stop_timeout=60.0):
         self.engine = engine
+        self.stop_found_units = stop_found_units
+        self.stop_timeout = stop_timeout
+        self.found_units = []     # units.found_for of the plan, with each stop's outcome
         self.scope = scope
         self.own_only = scope is not None and shared_gpu == "own"
         self.container_restart = container_restart
@@ -528,6 +533,32 @@ class Releaser(object):
         if self.container_restart and self.scope is not None:
             self.restart_plan = self._restart_plan(report)
         return self.plan
+
+    # -- what would respawn the plan's holders, stopped in their containers (node side)
+    def find_units(self):
+        """The units and programs that run the planned holders (node view, stop_found_units)."""
+        if not self.stop_found_units or self.scope is None or self.engine.view != "node":
+            return []
+        found = units.found_for(self.to_signal, self.proc_root)
+        known = set((u["vmid"], u["kind"], u["name"]) for u in self.found_units)
+        self.found_units.extend(dict((k, v) for k, v in u.items() if k != "argv") for u in found
+                                if (u["vmid"], u["kind"], u["name"]) not in known)
+        return found
+
+    def stop_units(self, found):
+        """Stop each found unit through its container's own manager; every outcome is recorded."""
+        by_key = dict(((u["vmid"], u["kind"], u["name"]), u) for u in self.found_units)
+        for entry in found:
+            self._check_deadline("the stop of %s %s in container %s" % (entry["kind"], entry["name"], entry["vmid"]))
+            left = self._left()
+            done = units.stop(entry, self.stop_timeout if left is None else min(self.stop_timeout, max(1.0, left)))
+            outcome = ("done: %s" % done["text"]) if done["ok"] else ("failed: %s" % done["text"])
+            by_key[(entry["vmid"], entry["kind"], entry["name"])]["outcome"] = outcome
+            action = {"time": round(time.time(), 3), "elapsed_s": round(self.now() - self.started, 3), "pid": 0,
+                      "name": "%s %s" % ("unit" if entry["kind"] == "systemd" else "supervisord program", entry["name"]),
+                      "vmid": entry["vmid"], "signal": "stop", "outcome": outcome}
+            self.actions.append(action)
+            self.log("gpuops.fleet.gpu_release: stop of %s in container %s: %s" % (action["name"], entry["vmid"], outcome))
 
     # -- the container rung (node side)
     def _restart_plan(self, report):
@@ -800,7 +831,8 @@ class Releaser(object):
 
     @property
     def changed(self):
-        return bool(self.signalled) or self.reset_done or bool(self.restarted)
+        return (bool(self.signalled) or self.reset_done or bool(self.restarted)
+                or any(u.get("outcome", "").startswith("done") for u in self.found_units))
 
 
 ESTIMATE_WHY = "this driver has no v2 memory call; used is v1 used minus reserved_floor_mib"
@@ -875,6 +907,51 @@ def remaining_of(report, scope=None):
     return out
 
 
+def per_container(before, after, releaser):
+    """On a node with containers in scope: one entry per container, its GPUs (those its config passes in, or
+    that it holds) with its MiB before and after, what of it was signalled, whether it changed, its verdict."""
+    scope = releaser.scope
+    if scope is None or not scope.containers:
+        return []
+    where = dict((h["pid"], h.get("container")) for h in before.holders)
+    later = dict((g.get("uuid"), g) for g in after.gpus) if after is not None else {}
+    out = []
+    for vmid in sorted(scope.containers, key=int):
+        one = node.Scope([vmid], proc_root=scope.proc_root)
+        pids = set(pid for pid, ct in where.items() if ct == vmid)
+        rows = []
+        for gpu in before.gpus:
+            mine = (gpu.get("by_container") or {}).get(vmid, 0)
+            passed = gpu.get("passed_into")
+            if passed is not None and int(vmid) not in passed and not mine and not scope_holders(before, gpu["index"], one):
+                continue
+            now = later.get(gpu.get("uuid"))
+            free = None
+            if after is not None:
+                free = bool(now) and (free_for_scope(after, now, one) if releaser.own_only else now["free"])
+            rows.append({"index": gpu["index"], "uuid": gpu.get("uuid"), "before_mib": mine,
+                         "after_mib": None if now is None else (now.get("by_container") or {}).get(vmid, 0),
+                         "free": free})
+        signals = [a for a in releaser.actions if a["pid"] in pids or a.get("vmid") == int(vmid)]
+        sent = [a for a in signals if a["outcome"] == "sent" or (a.get("vmid") and a["outcome"].startswith("done"))]
+        planned = [e["pid"] for e in releaser.plan if e["pid"] in pids]
+        if after is None:
+            verdict = "planned" if planned else "nothing to do"
+        else:
+            verdict = "free" if all(r["free"] for r in rows) else "busy"
+        out.append({"vmid": int(vmid), "changed": bool(sent) if after is not None else bool(planned),
+                    "verdict": verdict, "gpus": rows, "planned": planned,
+                    "actions": [dict((k, a[k]) for k in ("pid", "name", "signal", "outcome") if k in a) for a in signals],
+                    "not_signalled": [dict(s) for s in releaser.skipped if s["pid"] in pids]})
+    return out
+
+
+def skipped_entries(skipped):
+    """per_container entries of the containers left out before anything (locked): {vmid: reason}."""
+    return [{"vmid": int(vmid), "changed": False, "verdict": "skipped", "reason": reason, "gpus": [], "planned": [],
+             "actions": [], "not_signalled": []} for vmid, reason in sorted(skipped.items(), key=lambda kv: int(kv[0]))]
+
+
 def backstop_result(progress):
     """changed, actions, plan and rung of an interrupted release (the hard stop), from release()'s progress."""
     releaser = (progress or {}).get("releaser")
@@ -896,6 +973,20 @@ def collateral_of(engine, releaser, before, measure_after):
     return out
 
 
+def _after_stops(releaser, found):
+    """Stops the found units, reads again, decides again on the fresh report: the report to climb the ladder
+    from, or None when the stops freed every targeted GPU. The plan keeps its first entries."""
+    first = list(releaser.plan)
+    releaser.stop_units(found)
+    fresh = releaser.snapshot()
+    if targets_free(fresh, releaser.scope if releaser.own_only else None):
+        return None
+    releaser.prepare(fresh)
+    planned = set(e["pid"] for e in first)
+    releaser.plan = first + [e for e in releaser.plan if e["pid"] not in planned]
+    return fresh
+
+
 def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_DIR, deadline=None, progress=None):
     """Run gpu_release on a started Engine. Returns (failed, msg, result).
 
@@ -914,15 +1005,17 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                         collateral_tolerance_mib=opts.get("collateral_tolerance_mib", pinning.DEFAULT_TOLERANCE_MIB),
                         scope=opts.get("scope"), shared_gpu=opts.get("shared_gpu", "all"),
                         container_restart=opts.get("container_restart", False),
-                        restart_backend=opts.get("restart_backend"), container_timeout=opts.get("container_timeout", 60.0))
+                        restart_backend=opts.get("restart_backend"), container_timeout=opts.get("container_timeout", 60.0),
+                        stop_found_units=opts.get("stop_found_units", False), stop_timeout=opts.get("stop_timeout", 60.0))
     scope = releaser.scope if releaser.own_only else None
+    skipped = dict(opts.get("skipped_containers") or {})
     if progress is not None:
         progress["releaser"] = releaser
     result = {"changed": False, "actions": releaser.actions, "rung_reached": "none", "plan": [], "lock_wait_s": 0.0,
               "lock_acquired_at": None,
               "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
               "collateral": [], "jobs": [], "linked": [], "nvml_stale": [], "unknown_gpus": [], "restart_plan": [],
-              "view": engine.view,
+              "per_container": [], "found_units": [], "view": engine.view,
               "scope": None if releaser.scope is None else {"containers": sorted(int(c) for c in releaser.scope.containers),
                                                             "host_processes": releaser.scope.host_processes}}
 
@@ -944,6 +1037,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         result["collateral"] = collateral_of(engine, releaser, before, after is not None)
         result["not_signalled"] = releaser.skipped
         result["respawned"] = releaser.respawned
+        result["per_container"] = sorted(per_container(before, after, releaser) + skipped_entries(skipped),
+                                         key=lambda entry: entry["vmid"])
+        result["found_units"] = releaser.found_units
         for skip in releaser.skipped:
             result["diagnosis"].append("pid %d (%s) holds a targeted GPU but was not signalled: %s"
                                        % (skip["pid"], skip["name"], skip["reason"]))
@@ -984,11 +1080,21 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         if releaser.refusals:
             result["diagnosis"] = list(before.diagnosis)
             return finish(True, " | ".join(releaser.refusals), before, None)
+        found = releaser.find_units()
         if check_mode:
             result["diagnosis"] = list(before.diagnosis)
-            return finish(False, "check mode: %d processes would be signalled" % len(releaser.plan), before, None)
+            return finish(False, "check mode: %d processes would be signalled%s" % (
+                len(releaser.plan), "" if not found else ", after %d units stopped" % len(found)), before, None)
         try:
-            releaser.run(before)
+            if found:
+                fresh = _after_stops(releaser, found)
+                if releaser.refusals:
+                    after = releaser.snapshot()
+                    return finish(True, " | ".join(releaser.refusals), before, after)
+                if fresh is not None:
+                    releaser.run(fresh)
+            else:
+                releaser.run(before)
         except ReleaseTimeout as exc:
             after = releaser.snapshot()
             return finish(True, "%s (timeout %ss)" % (exc, opts.get("timeout")), before, after)

@@ -155,6 +155,9 @@ options:
       - Inside a container, setting it fails the task (a container sees only its own processes).
       - The release also takes each listed container's own per-GPU locks (through C(/proc/INIT/root/run/lock)), so
         it never races a release running inside that container.
+      - A listed container whose config carries a C(lock) (backup, migrate, snapshot) is left out before
+        anything, with verdict C(skipped) in RV(per_container); the others are released, and the task then fails
+        naming the lock.
     type: list
     elements: int
     default: []
@@ -191,6 +194,25 @@ options:
     default: false
   container_timeout:
     description: Seconds the stop, and then the start, of a container may take each. More than 0.
+    type: float
+    default: 60
+  stop_found_units:
+    description:
+      - On a node with O(containers), before any signal, stop what would start each planned holder again, inside its
+        container, through the container's own manager (C(lxc-attach -n VMID), no C(pct) start-up per call).
+      - A systemd unit is found from the holder's cgroup (C(lxc/VMID/ns/system.slice/NAME.service)); a supervisord
+        program from the holder or an ancestor whose parent is C(supervisord), by the C(SUPERVISOR_GROUP_NAME) and
+        C(SUPERVISOR_PROCESS_NAME) that supervisord puts in its programs' environment (C(supervisorctl -c CONF stop
+        GROUP:NAME), CONF from supervisord's command line).
+      - RV(found_units) lists each unit with the pids it runs and the outcome of its stop; in check mode, what would
+        be stopped. Each stop is also an action (C(signal) is C(stop)). The GPUs are read again after the stops, and
+        the ladder runs on what is left.
+      - Docker inside LXC is not found this way (its containers are not units); stop them with the role's
+        C(release_gpus_docker_containers).
+    type: bool
+    default: false
+  stop_timeout:
+    description: Seconds each stop of O(stop_found_units) may take (within O(timeout)). More than 0.
     type: float
     default: 60
   proxmox_api:
@@ -340,7 +362,9 @@ actions:
       type: str
       sample: python3
     signal:
-      description: C(SIGTERM), C(SIGKILL) or C(reset).
+      description:
+        - C(SIGTERM), C(SIGKILL), C(reset), C(stop) (a unit of O(stop_found_units)), or C(container_stop) and
+          C(container_start) (the container rung).
       type: str
       sample: SIGKILL
     outcome:
@@ -350,9 +374,9 @@ actions:
       type: str
       sample: sent
     vmid:
-      description: The container of a C(container_stop) or C(container_start) step.
+      description: The container of a C(stop), C(container_stop) or C(container_start) step.
       type: int
-      returned: for the container rung
+      returned: for the container rung and the stops of O(stop_found_units)
       sample: 101
     task:
       description: The Proxmox task id (UPID) of a container step through the API, or the C(pct) command run.
@@ -488,6 +512,34 @@ restart_plan:
   elements: dict
   sample: [{"vmid": 101, "gpus": [0], "untargeted_gpus": [], "backend": "pct", "refusal": null,
             "processes": [{"pid": 4021, "container_pid": 1, "name": "init"}, {"pid": 4388, "container_pid": 77, "name": "gpu_worker"}]}]
+per_container:
+  description:
+    - On a node with O(containers), one entry per container in the scope, from this one task.
+    - C(gpus) are the targeted GPUs its config passes in (or that it holds), with C(before_mib) and C(after_mib), its
+      own MiB by NVML's node view, and C(free) (nothing of it holds the GPU with O(shared_gpu=own); the whole GPU
+      free with V(all); null in check mode).
+    - C(changed) is true when something of it was signalled, stopped or restarted (in check mode, when something of it
+      is planned). C(verdict) is C(free), C(busy), C(planned) or C(nothing to do) (check mode), or C(skipped) for a
+      locked container (see O(containers)), with C(reason).
+    - C(planned) lists its pids in RV(plan); C(actions) the signals, stops and restarts that concern it;
+      C(not_signalled) its holders left alone.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"vmid": 101, "changed": true, "verdict": "free", "planned": [4388],
+            "gpus": [{"index": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "before_mib": 300, "after_mib": 0,
+                      "free": true}],
+            "actions": [{"pid": 4388, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}], "not_signalled": []}]
+found_units:
+  description:
+    - With O(stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd) or
+      C(supervisord), C(name), C(pids), C(evidence)) and, once tried, C(outcome) (C(done...) or C(failed...)).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"vmid": 101, "kind": "supervisord", "name": "gpu_worker:gpu_worker", "pids": [4388],
+            "evidence": "pid 4388 runs under supervisord (pid 4101 on the node) as program gpu_worker:gpu_worker",
+            "outcome": "done: gpu_worker:gpu_worker: stopped"}]
 respawned:
   description:
     - The respawn that failed the task, null otherwise. C(pid) and C(name) are the new holder's (never signalled);
@@ -550,6 +602,9 @@ def check_scope(module):
                                  "the GPU, which only the node can see; run gpu_release with gpu_reset: true on the "
                                  "Proxmox node (delegate_to the node, containers: [VMID]), or the release_gpus role "
                                  "with release_gpus_from: node")
+    if params["stop_found_units"] and not params["containers"]:
+        module.fail_json(msg="stop_found_units needs containers: [VMID, ...] (whose units it may stop), on the "
+                             "Proxmox node")
     if params["container_restart"] and not params["containers"]:
         module.fail_json(msg="container_restart needs containers: [VMID, ...] (the containers it may restart), on the "
                              "Proxmox node")
@@ -583,6 +638,8 @@ def main():
         shared_gpu=dict(type="str", default="all", choices=["all", "own"]),
         container_restart=dict(type="bool", default=False),
         container_timeout=dict(type="float", default=60.0),
+        stop_found_units=dict(type="bool", default=False),
+        stop_timeout=dict(type="float", default=60.0),
         proxmox_api=dict(type="dict", options=dict(
             host=dict(type="str", required=True),
             port=dict(type="int", default=8006),
@@ -601,7 +658,7 @@ def main():
     # bad input fails before NVML is even opened
     check_numbers(module, ["term_timeout", "kill_timeout", "verify_timeout", "lock_timeout", "reset_timeout",
                            "collateral_tolerance_mib"])
-    check_numbers(module, ["timeout", "container_timeout"], strict=True)
+    check_numbers(module, ["timeout", "container_timeout", "stop_timeout"], strict=True)
     patterns = check_common_params(module)
     scope = check_scope(module)
     try:
@@ -610,6 +667,11 @@ def main():
     except (ValueError, SelectorError) as exc:
         module.fail_json(msg=str(exc))
     check_libraries(module, [(HAS_PSUTIL, "psutil", "psutil", PSUTIL_IMPORT_ERROR)])
+    skipped = {}
+    if scope is not None and scope.containers and view_of() == "node":
+        skipped = node.locked_containers(sorted(scope.containers, key=int))
+        if skipped:
+            scope = node.Scope([c for c in scope.containers if c not in skipped], scope.host_processes)
 
     deadline = started + params["timeout"]
     signal.signal(signal.SIGALRM, _backstop)
@@ -635,7 +697,9 @@ def main():
                  "collateral", "collateral_tolerance_mib")
         options = dict((k, params[k]) for k in names)
         options.update(match=match, protect=protect, scope=scope, shared_gpu=params["shared_gpu"],
-                       container_restart=params["container_restart"], container_timeout=params["container_timeout"])
+                       container_restart=params["container_restart"], container_timeout=params["container_timeout"],
+                       stop_found_units=params["stop_found_units"], stop_timeout=params["stop_timeout"],
+                       skipped_containers=skipped)
         if params["container_restart"]:
             try:
                 options["restart_backend"] = restart.backend_for(params["proxmox_api"])
@@ -654,6 +718,9 @@ def main():
                          **backstop_result(progress))
     signal.setitimer(signal.ITIMER_REAL, 0)
     nvml.shutdown()
+    if skipped:
+        failed = True
+        msg = "%s; left out: %s" % (msg, "; ".join(skipped[v] for v in sorted(skipped, key=int)))
     if failed:
         module.fail_json(msg=msg, **result)
     module.exit_json(msg=msg, **result)

@@ -1,9 +1,10 @@
-"""Fleet benchmark (issue 13). Prints a Markdown fragment on stdout.
+"""Fleet benchmark (issues 13 and 20). Prints a Markdown fragment on stdout.
 
 24 containers on 3 lab nodes (8 per node, each container its own GPU), each with one holder.
 In every round, against the same lab in the same run:
 
 - the whole role: playbooks/release_gpus.yml (forks 24, release_gpus_node_concurrency 8);
+- the node path: the same playbook with release_gpus_from: node (one gpu_release task per node, issue 20);
 - the anchor: a playbook with one gpuops.fleet.gpu_release task per container (forks 24);
 - the same two on a single container (ct101).
 
@@ -86,7 +87,9 @@ def main():
     role_args = ["-e", "release_gpus_node_concurrency=8"]
     for key, value in sorted(TIMEOUTS.items()):
         role_args += ["-e", "release_gpus_%s=%s" % (key, value)]
+    node_args = role_args + ["-e", "release_gpus_from=node"]
     variants = [("role, fleet", os.path.join(REPO, "playbooks", "release_gpus.yml"), None, role_args, 24),
+                ("node path, fleet", os.path.join(REPO, "playbooks", "release_gpus.yml"), None, node_args, 24),
                 ("gpu_release, fleet", anchor, None, [], 24),
                 ("role, one container", os.path.join(REPO, "playbooks", "release_gpus.yml"), "ct101", role_args, 1),
                 ("gpu_release, one container", anchor, "ct101", [], 1)]
@@ -117,12 +120,14 @@ def main():
     fleet = med("role, fleet", 0) / med("gpu_release, fleet", 0)
     single = med("role, one container", 0) / med("gpu_release, one container", 0)
     growth = med("role, fleet", 0) / med("role, one container", 0)
+    node_path = med("node path, fleet", 0) / med("gpu_release, one container", 0)
     out = [
-        "## Fleet: the role against one gpu_release task per container (`tests/bench/bench_fleet.py`)",
+        "## Fleet: the role and the node path against gpu_release tasks (`tests/bench/bench_fleet.py`)",
         "",
         "%d containers on %d lab nodes (%d per node, each container its own GPU), each with one `plain` holder of %d MiB; "
         "lab `pct` start-up delay %s s. The whole role is `playbooks/release_gpus.yml` (forks 24, "
-        "`release_gpus_node_concurrency` 8, dependencies present, no service to stop); the anchor is a playbook with one "
+        "`release_gpus_node_concurrency` 8, dependencies present, no service to stop); the node path is the same playbook "
+        "with `release_gpus_from: node` (one `gpu_release` task per node for its 8 containers); the anchor is a playbook with one "
         "`gpuops.fleet.gpu_release` task per container (forks 24), same timeouts. %d rounds; each round runs every variant "
         "once, in this order, on freshly started holders. Controller CPU: the ansible-playbook process tree's user+system "
         "seconds (`getrusage(RUSAGE_CHILDREN)` deltas). Task lines: `TASK [` lines in the default output, per host "
@@ -135,6 +140,9 @@ def main():
         "",
         "- Whole role / one `gpu_release` task, 24 containers: **%.2fx** (goal at most 1.5x, issue 13: %s; was 4.6x)." % (
             fleet, "met" if fleet <= 1.5 else "not met"),
+        "- Node path on 24 containers / one `gpu_release` task on one container: **%.2fx** (goal at most 1.5x, issue 20: %s)."
+        % (node_path, "met" if node_path <= 1.5 else "not met"),
+        "- Node path / whole role (container path), 24 containers: %.2fx." % (med("node path, fleet", 0) / med("role, fleet", 0)),
         "- Whole role / one `gpu_release` task, one container: %.2fx (was 2.9x)." % single,
         "- The role on 24 containers / on one container: %.2fx (reported, not gated; was 9.3x). On 2 cores the lab's own "
         "work (24 holders, 3 sshd, the `pct` stand-ins) runs on the same cores as the controller and sets a floor here; "

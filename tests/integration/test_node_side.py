@@ -6,10 +6,12 @@ node's. The truth is `labctl gpus` and the host's /proc, never only the module's
 """
 import json
 import os
+import subprocess
+import tempfile
 
 import pytest
 
-from _enginelab import EngineLab, host_alive
+from _enginelab import REPO, VENV_BIN, EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab, wait_until
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import lock_name
@@ -239,3 +241,78 @@ def test_a_release_inside_a_container_sharing_the_nodes_run_lock_waits_for_the_n
     assert node_play["lock_wait_s"] < 1.0, node_play
     assert not inside.failed and inside["lock_acquired_at"] >= node_play["actions"][-1]["time"], (inside, node_play)
     assert inside["changed"] is False and clean.used(2) == 0
+
+
+def test_one_node_task_stops_each_containers_program_and_reports_each_container(clean):
+    """Issue 20, slice 1: one gpu_release on the node for three containers. The supervisord program that would
+    respawn 101's holder is found from the node and stopped inside 101 (never signalled by us); 102's plain holder
+    is signalled; 103 has nothing. One entry per container; check mode plans the stop and changes nothing."""
+    program = clean.run("respawn", 101, [0], mib=600)
+    plain = clean.run("plain", 102, [0], mib=400)
+    program_pid = node_pid(program)
+    args = dict(FAST, containers=[101, 102, 103], shared_gpu="own", stop_found_units=True)
+    check = clean.play("pve1", "gpu_release", args, check_mode=True)
+    assert not check.failed and check["changed"] is True, check
+    found = check["found_units"]
+    assert [(u["vmid"], u["kind"], u["pids"]) for u in found] == [(101, "supervisord", [program_pid])], found
+    assert found[0]["name"].endswith(":" + program["supervisor_program"]) and "outcome" not in found[0]
+    per = dict((c["vmid"], c) for c in check["per_container"])
+    assert (per[101]["verdict"], per[102]["verdict"], per[103]["verdict"]) == ("planned", "planned", "nothing to do")
+    assert (per[101]["planned"], per[102]["planned"], per[103]["planned"]) == ([program_pid], [node_pid(plain)], [])
+    assert check["actions"] == [] and host_alive(program["holders"][0]) and clean.used(0) == 1000
+
+    play = clean.play("pve1", "gpu_release", args)
+    assert not play.failed and play["changed"] is True, play
+    assert play["found_units"][0]["outcome"].startswith("done"), play["found_units"]
+    assert [(a["signal"], a["vmid"]) for a in play["actions"] if a["signal"] == "stop"] == [("stop", 101)]
+    assert signalled(play) == [node_pid(plain)]       # 101's holder was stopped by its supervisor, not signalled
+    assert clean.used(0) == 0 and not host_alive(program["holders"][0]) and not host_alive(plain["holders"][0])
+    status = clean.exec(101, "supervisorctl", "status", program["supervisor_program"])
+    assert "STOPPED" in status.stdout, status.stdout   # stopped, so it does not come back
+    per = dict((c["vmid"], c) for c in play["per_container"])
+    assert [(v, per[v]["changed"], per[v]["verdict"]) for v in (101, 102, 103)] == [
+        (101, True, "free"), (102, True, "free"), (103, False, "free")]
+    gpu0 = [(g["before_mib"], g["after_mib"], g["free"]) for v in (101, 102) for g in per[v]["gpus"] if g["index"] == 0]
+    assert gpu0 == [(600, 0, True), (400, 0, True)]
+    assert [g["index"] for g in per[103]["gpus"]] == [2]      # only what its config passes in
+
+    again = clean.play("pve1", "gpu_release", args)
+    assert not again.failed and again["changed"] is False and again["actions"] == [] and again["found_units"] == []
+    assert [c["changed"] for c in again["per_container"]] == [False, False, False]
+
+
+def test_auto_releases_inside_then_from_the_node_when_another_containers_memory_is_left(clean):
+    """The container path's node fallback (release_gpus_from: auto): 101's holder is released inside 101; GPU 0
+    still holds 102's memory, which 101 cannot see, so the role reads it again from the node (shared_gpu: own),
+    where nothing of 101 holds it: 101 is done, and 102's holder is never signalled."""
+    mine = clean.run("plain", 101, [0], mib=500)
+    other = clean.run("plain", 102, [0], mib=700)
+    report_dir = tempfile.mkdtemp(dir=clean.workdir, prefix="report-")
+    variables = {"release_gpus_report_dir": report_dir, "release_gpus_install_deps": False, "release_gpus_from": "auto",
+                 "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 5}
+    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", clean.inventory,
+                           os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "ct101",
+                           "-e", json.dumps(variables)], cwd=REPO, env=clean.env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout
+    assert "Node | Release from the node" in proc.stdout and "Node path |" not in proc.stdout
+    with open(os.path.join(report_dir, "ct101.json")) as f:
+        result = json.load(f)
+    assert result["released_from"] == "node" and result["all_free"] is True and result["changed"] is True
+    assert not host_alive(mine["holders"][0]) and host_alive(other["holders"][0]) and clean.used(0) == 700
+
+
+def test_a_locked_container_is_left_out_and_the_others_are_released(clean):
+    mine = clean.run("plain", 101, [0], mib=500)
+    locked = clean.run("plain", 102, [0], mib=700)
+    try:
+        clean.labctl("lock", "--vmid", 102, "--lock", "backup", parse=False)
+        play = clean.play("pve1", "gpu_release", dict(FAST, containers=[101, 102], shared_gpu="own"))
+    finally:
+        clean.labctl("lock", "--vmid", 102, "--clear", parse=False, check=False)
+    assert play.failed and "container 102 is locked (backup)" in play["msg"], play
+    per = dict((c["vmid"], c) for c in play["per_container"])
+    assert (per[101]["verdict"], per[101]["changed"]) == ("free", True)
+    assert per[102]["verdict"] == "skipped" and "locked (backup)" in per[102]["reason"] and per[102]["changed"] is False
+    assert signalled(play) == [node_pid(mine)] and play["scope"]["containers"] == [101]
+    assert not host_alive(mine["holders"][0]) and host_alive(locked["holders"][0]) and clean.used(0) == 700

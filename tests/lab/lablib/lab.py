@@ -203,8 +203,10 @@ class Lab:
         write_file(os.path.join(sbin, "nvidia-smi"),
                    "#!/bin/sh\nexec %s %s \"$@\"\n" % (VENV + "/bin/python", smi), 0o755)
         for tool in ("supervisorctl", "supervisord"):
+            # the lab's config unless the caller names one (gpu_release names supervisord's own -c)
             write_file(os.path.join(sbin, tool),
-                       "#!/bin/sh\nexec %s/bin/%s -c /run/supervisor/supervisord.conf \"$@\"\n" % (VENV, tool), 0o755)
+                       "#!/bin/sh\ncase \" $* \" in *\" -c \"*|*\" --configuration\"*) exec %s/bin/%s \"$@\";; esac\n"
+                       "exec %s/bin/%s -c /run/supervisor/supervisord.conf \"$@\"\n" % (VENV, tool, VENV, tool), 0o755)
 
     def _ssh_keys(self):
         key = os.path.join(self.state, "ssh", "id_ed25519")

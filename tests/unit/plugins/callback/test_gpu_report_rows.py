@@ -146,3 +146,23 @@ def test_a_container_restart_is_the_rung_of_a_node_side_release():
     row, = rows_of([{"host": "ct101", "action": "gpuops.fleet.gpu_release", "result": result}])
     assert (row["rung"], row["verdict"], row["after_mib"]) == ("container_restart", "freed", 0)
     assert "restarted container 101" in row["actions"]
+
+
+def test_a_delegated_node_release_for_several_containers_adds_rows_only_through_each_containers_part():
+    node_result = {"before": [{"index": 0, "uuid": GPU0, "used_mib": 900, "free": False}],
+                   "after": [{"index": 0, "uuid": GPU0, "used_mib": 0, "free": True}], "actions": [], "plan": [],
+                   "per_container": [{"vmid": 101}, {"vmid": 102}]}
+    mine = {"check_mode": False, "stopped": ["gpuops:w"], "gpus": [
+        {"index": 0, "uuid": GPU0, "before_mib": 300, "after_mib": 0, "free": True, "signals": [], "rung": "stop"}]}
+    reports = {"ct101": gpu_report.HostReport("ct101"), "ct102": gpu_report.HostReport("ct102")}
+    gpu_report.ingest(reports["ct101"], "gpuops.fleet.gpu_release", node_result, delegated=True)
+    assert reports["ct101"].gpus == {}     # the node's whole-GPU reading is nobody's row
+    for host in reports:
+        gpu_report.ingest(reports[host], "ansible.builtin.set_fact", {"ansible_facts": {"release_gpus_result": mine}})
+    places = {"ct101": ("pve1", 101), "ct102": ("pve1", 102)}
+    rows = gpu_report.build_rows(reports, places)
+    assert [(r["container"], r["before_mib"], r["after_mib"], r["rung"], r["verdict"], r["actions"]) for r in rows] == [
+        (101, 300, 0, "stop", "freed", ["stopped gpuops:w"]), (102, 300, 0, "stop", "freed", ["stopped gpuops:w"])]
+    direct = gpu_report.HostReport("pve1")
+    gpu_report.ingest(direct, "gpuops.fleet.gpu_release", node_result)       # run on the node itself: its rows
+    assert [(r["before_mib"], r["after_mib"]) for r in direct.rows("pve1", None)] == [(900, 0)]

@@ -12,7 +12,7 @@ LAYERS = {
     "read": ("_helperproc", "_procscan", "_nvml", "_pveconf", "_node", "_redact", "_selectors"),
     "evidence": ("_pinning", "_jobs", "_gpu_engine"),
     "decide": ("_decide",),
-    "act": ("_respawn", "_restart", "_release"),
+    "act": ("_respawn", "_restart", "_units", "_release"),
 }
 ORDER = ("read", "evidence", "decide", "act")
 RANK = dict((name, ORDER.index(layer)) for layer, names in LAYERS.items() for name in names)

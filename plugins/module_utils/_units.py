@@ -1,0 +1,116 @@
+# Copyright (c) 2026 gpuops
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""From the Proxmox node: what would respawn a container's holder, and its stop in that container (private helper).
+
+A holder's cgroup names its systemd unit inside the container (lxc/VMID/ns/system.slice/NAME.service).
+A supervisord program's processes run under supervisord with SUPERVISOR_PROCESS_NAME and
+SUPERVISOR_GROUP_NAME in their environment (supervisord sets them). The stop runs inside the container
+through its own manager, with lxc-attach: no Perl start-up per call, as pct exec would cost.
+No AnsibleModule here.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+
+CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+_INNER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(/.*)?$")
+_UNIT_NAME_RE = re.compile(r"^[A-Za-z0-9:_.@\\-]+\.service$")
+_PROGRAM_RE = re.compile(r"^[A-Za-z0-9:_.@-]+$")
+
+
+def inner_cgroup(cgroup):
+    """The cgroup path inside the container (after lxc/VMID/ns), or None."""
+    match = _INNER_RE.search(cgroup or "")
+    return (match.group(2) or "/") if match else None
+
+
+def _environ(pid, proc_root):
+    try:
+        raw = procscan.read_bytes("%s/%d/environ" % (proc_root, pid))
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key in (b"SUPERVISOR_PROCESS_NAME", b"SUPERVISOR_GROUP_NAME"):
+            out[key.decode()] = value.decode("utf-8", "replace")
+    return out
+
+
+def supervisord_config(pid, proc_root):
+    """The -c/--configuration of a supervisord process (a path inside its container), or None."""
+    try:
+        argv = [a.decode("utf-8", "replace") for a in procscan.read_bytes("%s/%d/cmdline" % (proc_root, pid)).split(b"\0")]
+    except OSError:
+        return None
+    for i, arg in enumerate(argv):
+        if arg in ("-c", "--configuration") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--configuration="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def find(record, proc_root="/proc"):
+    """What would start record's process again inside its container: a dict, or None (not found, or not a
+    container process). Keys: vmid, kind (systemd, supervisord), name, argv (run inside the container), evidence."""
+    vmid = record.get("container")
+    if not vmid or vmid in (node.HOST, node.UNATTRIBUTED):
+        return None
+    inner = inner_cgroup(record.get("cgroup"))
+    unit = (inner or "").rstrip("/").rsplit("/", 1)[-1]
+    if inner and _UNIT_NAME_RE.match(unit):
+        return {"vmid": int(vmid), "kind": "systemd", "name": unit, "argv": ["systemctl", "stop", unit],
+                "evidence": "its cgroup in the container is %s" % inner}
+    for pid in [record["pid"]] + procscan.ancestors(record["pid"], proc_root):
+        stat = procscan.read_stat(pid, proc_root)
+        parent = procscan.read_stat(stat["ppid"], proc_root) if stat else None
+        if parent is None or parent["comm"] != "supervisord":
+            continue
+        env = _environ(pid, proc_root)
+        name = env.get("SUPERVISOR_PROCESS_NAME")
+        group = env.get("SUPERVISOR_GROUP_NAME") or name
+        if not name or not _PROGRAM_RE.match(name) or not _PROGRAM_RE.match(group):
+            return None
+        conf = supervisord_config(stat["ppid"], proc_root)
+        full = "%s:%s" % (group, name)
+        return {"vmid": int(vmid), "kind": "supervisord", "name": full,
+                "argv": ["supervisorctl"] + (["-c", conf] if conf else []) + ["stop", full],
+                "evidence": "pid %d runs under supervisord (pid %d on the node) as program %s" % (pid, stat["ppid"], full)}
+    return None
+
+
+def found_for(records, proc_root="/proc"):
+    """The distinct stops for records, each with the pids it covers, in a stable order."""
+    out = {}
+    for record in records:
+        entry = find(record, proc_root)
+        if entry is None:
+            continue
+        key = (entry["vmid"], entry["kind"], entry["name"])
+        out.setdefault(key, dict(entry, pids=[]))["pids"].append(record["pid"])
+    return [out[k] for k in sorted(out)]
+
+
+def attach_argv(vmid, argv, attach="lxc-attach"):
+    return [attach, "-n", str(vmid), "--clear-env", "--set-var", "PATH=" + CONTAINER_PATH, "--"] + list(argv)
+
+
+def stop(entry, timeout, attach="lxc-attach"):
+    """Run entry's stop inside its container. {"ok", "text"}; never raises for the command's own failure."""
+    try:
+        rc, out = helperproc.run_bounded(attach_argv(entry["vmid"], entry["argv"], attach), timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "text": "did not end within %ss" % timeout}
+    except OSError as exc:
+        return {"ok": False, "text": "%s: %s" % (attach, exc.strerror or exc)}
+    text = " ".join(out.split())[:300]
+    if rc != 0:
+        return {"ok": False, "text": "exit %d: %s" % (rc, text or "no output")}
+    return {"ok": True, "text": text or "stopped"}

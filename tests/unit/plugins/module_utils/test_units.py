@@ -1,0 +1,73 @@
+"""Issue 20: what would respawn a container's holder, found from the node, and its stop inside the container."""
+import json
+import os
+import stat
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
+
+
+def holder(pid, cgroup, container="101"):
+    return {"pid": pid, "name": "python3", "cgroup": procscan.parse_cgroup(cgroup), "container": container}
+
+
+def environ(proc, pid, **env):
+    with open(os.path.join(proc.root, str(pid), "environ"), "wb") as f:
+        f.write(b"".join(("%s=%s" % kv).encode() + b"\0" for kv in sorted(env.items())))
+
+
+def test_a_systemd_unit_is_named_by_the_holders_cgroup_inside_its_container(proc):
+    proc.add(500, cgroup="0::/lxc/101/ns/system.slice/vllm-server.service\n")
+    found = units.find(holder(500, "0::/lxc/101/ns/system.slice/vllm-server.service\n"), proc.root)
+    assert found == {"vmid": 101, "kind": "systemd", "name": "vllm-server.service",
+                     "argv": ["systemctl", "stop", "vllm-server.service"],
+                     "evidence": "its cgroup in the container is /system.slice/vllm-server.service"}
+
+
+def test_a_supervisord_program_is_named_by_its_environment_under_supervisord(proc):
+    proc.add(1, comm="init", ppid=0)
+    proc.add(40, comm="supervisord", ppid=1, argv=["/usr/bin/python3", "/usr/bin/supervisord", "-c", "/etc/sup.conf"])
+    proc.add(41, comm="sh", ppid=40)
+    proc.add(42, comm="python3", ppid=41)                       # a worker of the program's shell
+    environ(proc, 41, SUPERVISOR_PROCESS_NAME="worker_1", SUPERVISOR_GROUP_NAME="workers", SECRET="x")
+    found = units.find(holder(42, "0::/lxc/101/ns/init.scope\n"), proc.root)
+    assert (found["kind"], found["name"], found["argv"]) == (
+        "supervisord", "workers:worker_1", ["supervisorctl", "-c", "/etc/sup.conf", "stop", "workers:worker_1"])
+    assert "pid 41 runs under supervisord (pid 40 on the node)" in found["evidence"] and "SECRET" not in str(found)
+
+
+def test_nothing_is_found_for_the_node_for_a_plain_parent_or_for_odd_names(proc):
+    proc.add(1, comm="init", ppid=0)
+    proc.add(40, comm="bash", ppid=1)
+    proc.add(42, comm="python3", ppid=40)
+    assert units.find(holder(42, "0::/user.slice\n", container="host"), proc.root) is None
+    assert units.find(holder(42, "0::/lxc/101/ns/init.scope\n"), proc.root) is None
+    assert units.find(holder(42, "0::/lxc/101/ns/system.slice/a;b.service\n"), proc.root) is None
+    proc.add(50, comm="supervisord", ppid=1)
+    proc.add(51, comm="python3", ppid=50)
+    environ(proc, 51, SUPERVISOR_PROCESS_NAME="x; reboot")
+    assert units.find(holder(51, "0::/lxc/101/ns/init.scope\n"), proc.root) is None
+
+
+def test_found_for_gives_one_stop_per_unit_with_every_pid_it_runs(proc):
+    cg = "0::/lxc/102/ns/system.slice/sglang.service\n"
+    for pid in (60, 61):
+        proc.add(pid, cgroup=cg)
+    found = units.found_for([holder(60, cg, "102"), holder(61, cg, "102"), holder(70, "0::/x\n", "host")], proc.root)
+    assert [(u["vmid"], u["name"], u["pids"]) for u in found] == [(102, "sglang.service", [60, 61])]
+
+
+def test_the_stop_runs_inside_the_container_with_a_clean_environment_and_reports_failures(tmp_path):
+    record = tmp_path / "argv.json"
+    attach = tmp_path / "lxc-attach"
+    attach.write_text("#!/usr/bin/env python3\nimport json, sys\njson.dump(sys.argv[1:], open(%r, 'w'))\n"
+                      "print('worker: stopped')\nsys.exit(int('%s' in sys.argv))\n" % (str(record), "bad"))
+    attach.chmod(attach.stat().st_mode | stat.S_IXUSR)
+    entry = {"vmid": 101, "kind": "supervisord", "name": "w:w", "argv": ["supervisorctl", "stop", "w:w"]}
+    assert units.stop(entry, 10, attach=str(attach)) == {"ok": True, "text": "worker: stopped"}
+    argv = json.loads(record.read_text())
+    assert argv[:3] == ["-n", "101", "--clear-env"] and argv[-4:] == ["--", "supervisorctl", "stop", "w:w"]
+    failed = units.stop(dict(entry, argv=["supervisorctl", "stop", "bad"]), 10, attach=str(attach))
+    assert failed == {"ok": False, "text": "exit 1: worker: stopped"}
+    missing = units.stop(entry, 10, attach=str(tmp_path / "none"))
+    assert not missing["ok"] and "No such file" in missing["text"]

@@ -933,14 +933,23 @@ def per_container(before, after, releaser):
                          "after_mib": None if now is None else (now.get("by_container") or {}).get(vmid, 0),
                          "free": free})
         signals = [a for a in releaser.actions if a["pid"] in pids or a.get("vmid") == int(vmid)]
-        sent = [a for a in signals if a["outcome"] == "sent" or (a.get("vmid") and a["outcome"].startswith("done"))]
+        done = [a for a in signals if a["outcome"] == "sent" or (a.get("vmid") and a["outcome"].startswith("done"))]
         planned = [e["pid"] for e in releaser.plan if e["pid"] in pids]
         if after is None:
             verdict = "planned" if planned else "nothing to do"
         else:
             verdict = "free" if all(r["free"] for r in rows) else "busy"
-        out.append({"vmid": int(vmid), "changed": bool(sent) if after is not None else bool(planned),
-                    "verdict": verdict, "gpus": rows, "planned": planned,
+        kinds = set(a["signal"] for a in done)
+        rung = ("container_restart" if "container_stop" in kinds else "sigkill" if "SIGKILL" in kinds
+                else "sigterm" if "SIGTERM" in kinds else "stop" if "stop" in kinds else releaser.rung if pids else "none")
+        words = ["%s %d (%s)" % (a["signal"], a["pid"], a["name"]) for a in done if a["pid"]]
+        for row in rows:
+            row["rung"] = rung if row["before_mib"] else "none"
+            row["signals"] = words if row["before_mib"] else []
+        units_here = [u for u in releaser.found_units if u["vmid"] == int(vmid)]
+        out.append({"vmid": int(vmid), "changed": bool(done) if after is not None else bool(planned),
+                    "verdict": verdict, "gpus": rows, "planned": planned, "found_units": units_here,
+                    "stopped": [u["name"] for u in units_here if u.get("outcome", "").startswith("done")],
                     "actions": [dict((k, a[k]) for k in ("pid", "name", "signal", "outcome") if k in a) for a in signals],
                     "not_signalled": [dict(s) for s in releaser.skipped if s["pid"] in pids]})
     return out
@@ -949,7 +958,7 @@ def per_container(before, after, releaser):
 def skipped_entries(skipped):
     """per_container entries of the containers left out before anything (locked): {vmid: reason}."""
     return [{"vmid": int(vmid), "changed": False, "verdict": "skipped", "reason": reason, "gpus": [], "planned": [],
-             "actions": [], "not_signalled": []} for vmid, reason in sorted(skipped.items(), key=lambda kv: int(kv[0]))]
+             "found_units": [], "stopped": [], "actions": [], "not_signalled": []} for vmid, reason in sorted(skipped.items(), key=lambda kv: int(kv[0]))]
 
 
 def backstop_result(progress):

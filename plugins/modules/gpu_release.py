@@ -522,13 +522,18 @@ per_container:
       is planned). C(verdict) is C(free), C(busy), C(planned) or C(nothing to do) (check mode), or C(skipped) for a
       locked container (see O(containers)), with C(reason).
     - C(planned) lists its pids in RV(plan); C(actions) the signals, stops and restarts that concern it;
-      C(not_signalled) its holders left alone.
+      C(not_signalled) its holders left alone; C(found_units) its part of RV(found_units) and C(stopped) the names
+      of those stopped.
+    - Each of its C(gpus) also has C(rung) (C(none) when it held nothing there, else the strongest step taken for
+      it, C(stop) when a stop alone freed it) and C(signals) (C(SIGTERM 4388 (python3)) ...), as the role reports
+      them.
   returned: always
   type: list
   elements: dict
   sample: [{"vmid": 101, "changed": true, "verdict": "free", "planned": [4388],
             "gpus": [{"index": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "before_mib": 300, "after_mib": 0,
-                      "free": true}],
+                      "free": true, "rung": "sigterm", "signals": ["SIGTERM 4388 (python3)"]}],
+            "found_units": [], "stopped": [],
             "actions": [{"pid": 4388, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}], "not_signalled": []}]
 found_units:
   description:

@@ -26,10 +26,11 @@ LXC=(python3 .cache/real-lxc/real_lxc_gpu.py)
 run() { timeout 200 python3 -c 'import sys; from ansible.cli.adhoc import main; sys.argv[0]="ansible"; main()' \
     localhost -c local -e ansible_python_interpreter="$(command -v python3)" "$@"; }
 node_holder=
+# shellcheck disable=SC2317  # called by the EXIT trap
 cleanup() {
-    [ -n "$node_holder" ] && kill -9 "$node_holder" 2>/dev/null
+    if [ -n "$node_holder" ]; then kill -9 "$node_holder" 2>/dev/null; fi
     pkill -9 -f gpuops_np_holder 2>/dev/null
-    "${LXC[@]}" down $VMID > /dev/null 2>&1
+    "${LXC[@]}" down "$VMID" > /dev/null 2>&1
     rm -f /usr/local/bin/supervisorctl
 }
 trap cleanup EXIT

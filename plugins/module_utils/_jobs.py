@@ -62,19 +62,6 @@ NUMBERS = re.compile(r"[0-9]+")
 INTERPRETER = re.compile(r"^(python|perl|ruby|node|java)[0-9.]*$")
 
 
-def _environ(pid, proc_root):
-    try:
-        raw = procscan.read_bytes("%s/%d/environ" % (proc_root, pid))
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            out[key.decode("utf-8", "replace")] = value.decode("utf-8", "replace")
-    return out
-
-
 def _argv(pid, proc_root):
     try:
         raw = procscan.read_bytes("%s/%d/cmdline" % (proc_root, pid))
@@ -96,7 +83,7 @@ def is_launcher(argv):
 def signatures(record, proc_root="/proc"):
     """The rank signatures of one holder: {kind: key}; two linked holders sharing a key are ranks of one job."""
     out = {}
-    env = _environ(record["pid"], proc_root)
+    env = procscan.read_environ(record["pid"], proc_root)
     dist = tuple((k, env[k]) for k in DIST_ENV if env.get(k))
     if dist:
         out["environment"] = dist

@@ -231,6 +231,21 @@ def read_text(path):
     return read_bytes(path).decode("utf-8", "replace")
 
 
+def read_environ(pid, proc_root="/proc", keys=None):
+    """{name: value} of a process's environment (only keys, when given); {} when it cannot be read."""
+    try:
+        raw = read_bytes("%s/%d/environ" % (proc_root, pid))
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        name = key.decode("utf-8", "replace")
+        if sep and (keys is None or name in keys):
+            out[name] = value.decode("utf-8", "replace")
+    return out
+
+
 class DeviceNames(object):
     """Recognises NVIDIA device paths under dev_dir (default /dev) by name.
 

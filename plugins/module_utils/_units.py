@@ -30,19 +30,6 @@ def inner_cgroup(cgroup):
     return (match.group(2) or "/") if match else None
 
 
-def _environ(pid, proc_root):
-    try:
-        raw = procscan.read_bytes("%s/%d/environ" % (proc_root, pid))
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep and key in (b"SUPERVISOR_PROCESS_NAME", b"SUPERVISOR_GROUP_NAME"):
-            out[key.decode()] = value.decode("utf-8", "replace")
-    return out
-
-
 def supervisord_config(pid, proc_root):
     """The -c/--configuration of a supervisord process (a path inside its container), or None."""
     try:
@@ -73,7 +60,7 @@ def find(record, proc_root="/proc"):
         parent = procscan.read_stat(stat["ppid"], proc_root) if stat else None
         if parent is None or parent["comm"] != "supervisord":
             continue
-        env = _environ(pid, proc_root)
+        env = procscan.read_environ(pid, proc_root, ("SUPERVISOR_PROCESS_NAME", "SUPERVISOR_GROUP_NAME"))
         name = env.get("SUPERVISOR_PROCESS_NAME")
         group = env.get("SUPERVISOR_GROUP_NAME") or name
         if not name or not _PROGRAM_RE.match(name) or not _PROGRAM_RE.match(group):

@@ -26,13 +26,19 @@ PROXMOX_MARKERS = ("/etc/pve", "/usr/sbin/pct")
 HOST = "host"
 UNATTRIBUTED = "unattributed"
 
-_CONTAINER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(?:/|$)")
+_CONTAINER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(/.*)?$")
 
 
 def container_of_cgroup(path):
     """The vmid (a string) of the first lxc/VMID/ns in a cgroup path, or None."""
     match = _CONTAINER_RE.search(path or "")
     return match.group(1) if match else None
+
+
+def inner_cgroup(path):
+    """The cgroup path inside its container (after the first lxc/VMID/ns), or None outside any container."""
+    match = _CONTAINER_RE.search(path or "")
+    return (match.group(2) or "/") if match else None
 
 
 def container_of_pid(pid, proc_root="/proc"):

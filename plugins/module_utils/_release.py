@@ -540,9 +540,7 @@ class Releaser(object):
         if not self.stop_found_units or self.scope is None or self.engine.view != "node":
             return []
         found = units.found_for(self.to_signal, self.proc_root)
-        known = set((u["vmid"], u["kind"], u["name"]) for u in self.found_units)
-        self.found_units.extend(dict((k, v) for k, v in u.items() if k != "argv") for u in found
-                                if (u["vmid"], u["kind"], u["name"]) not in known)
+        self.found_units = [dict((k, v) for k, v in u.items() if k != "argv") for u in found]
         return found
 
     def stop_units(self, found):

@@ -17,17 +17,12 @@ import subprocess
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _respawn as respawn
 
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-_INNER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(/.*)?$")
-_UNIT_NAME_RE = re.compile(r"^[A-Za-z0-9:_.@\\-]+\.service$")
+# names passed to the container's manager (argv, no shell): a unit may carry systemd's \x escapes
+_UNIT_RE = re.compile(r"^[A-Za-z0-9:_.@\\-]+$")
 _PROGRAM_RE = re.compile(r"^[A-Za-z0-9:_.@-]+$")
-
-
-def inner_cgroup(cgroup):
-    """The cgroup path inside the container (after lxc/VMID/ns), or None."""
-    match = _INNER_RE.search(cgroup or "")
-    return (match.group(2) or "/") if match else None
 
 
 def supervisord_config(pid, proc_root):
@@ -50,14 +45,14 @@ def find(record, proc_root="/proc"):
     vmid = record.get("container")
     if not vmid or vmid in (node.HOST, node.UNATTRIBUTED):
         return None
-    inner = inner_cgroup(record.get("cgroup"))
-    unit = (inner or "").rstrip("/").rsplit("/", 1)[-1]
-    if inner and _UNIT_NAME_RE.match(unit):
+    inner = node.inner_cgroup(record.get("cgroup"))
+    unit = respawn.service_unit(inner)
+    if unit and _UNIT_RE.match(unit):
         return {"vmid": int(vmid), "kind": "systemd", "name": unit, "argv": ["systemctl", "stop", unit],
                 "evidence": "its cgroup in the container is %s" % inner}
-    for pid in [record["pid"]] + procscan.ancestors(record["pid"], proc_root):
-        stat = procscan.read_stat(pid, proc_root)
-        parent = procscan.read_stat(stat["ppid"], proc_root) if stat else None
+    chain = [record["pid"]] + procscan.ancestors(record["pid"], proc_root)
+    for pid, parent_pid in zip(chain, chain[1:]):
+        parent = procscan.read_stat(parent_pid, proc_root)
         if parent is None or parent["comm"] != "supervisord":
             continue
         env = procscan.read_environ(pid, proc_root, ("SUPERVISOR_PROCESS_NAME", "SUPERVISOR_GROUP_NAME"))
@@ -65,11 +60,11 @@ def find(record, proc_root="/proc"):
         group = env.get("SUPERVISOR_GROUP_NAME") or name
         if not name or not _PROGRAM_RE.match(name) or not _PROGRAM_RE.match(group):
             return None
-        conf = supervisord_config(stat["ppid"], proc_root)
+        conf = supervisord_config(parent_pid, proc_root)
         full = "%s:%s" % (group, name)
         return {"vmid": int(vmid), "kind": "supervisord", "name": full,
                 "argv": ["supervisorctl"] + (["-c", conf] if conf else []) + ["stop", full],
-                "evidence": "pid %d runs under supervisord (pid %d on the node) as program %s" % (pid, stat["ppid"], full)}
+                "evidence": "pid %d runs under supervisord (pid %d on the node) as program %s" % (pid, parent_pid, full)}
     return None
 
 

@@ -58,7 +58,12 @@ class Decision(object):
         self.to_signal = []     # records, each with "_why"
         self.skipped = []       # {pid, name, reason}
         self.refusals = []      # messages; any of them fails the task before a signal
+        self.refused_pids = []  # per refusal, the pids it is about (a node-side release leaves their containers out)
         self.jobs = {}          # job id -> {"id", "pids", "gpus"} of the jobs touched
+
+    def refuse(self, msg, pids):
+        self.refusals.append(msg)
+        self.refused_pids.append(sorted(set(pids)))
 
 
 def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_pids=(), collateral="refuse",
@@ -104,49 +109,51 @@ def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_p
         picked = chosen[min(p for p in job["pids"] if p in chosen)]
         if excluded:
             in_job_refusal.update(job["pids"])
-            decision.refusals.append(
+            decision.refuse(
                 "pid %d (%s) belongs to the job of pid %d (pids %s; processes linked by sockets are one unit), but "
                 "pid %d (%s) of that job may not be signalled (%s): stopping part of a job leaves the rest hung; "
                 "nothing was signalled" % (picked["pid"], picked["name"], first, members, excluded[0]["pid"],
-                                           excluded[0]["name"], skipped_pids[excluded[0]["pid"]]))
+                                           excluded[0]["name"], skipped_pids[excluded[0]["pid"]]), job["pids"])
             continue
         if not outside and not over:
             continue
         if collateral == "stop":
             for member in outside:
                 if not consider(member, "job_member"):
-                    decision.refusals.append(
+                    decision.refuse(
                         "pid %d (%s) belongs to the job of pid %d (pids %s) but may not be signalled (%s): stopping "
                         "part of a job leaves the rest hung; nothing was signalled"
-                        % (member["pid"], member["name"], first, members, decision.skipped[-1]["reason"]))
+                        % (member["pid"], member["name"], first, members, decision.skipped[-1]["reason"]), job["pids"])
             continue
         in_job_refusal.update(job["pids"])
         untargeted = sorted(set(i for i in job_gpus if i not in targets))
-        decision.refusals.append(
+        decision.refuse(
             "pid %d (%s) is one of the processes of a job linked by sockets (pids %s; a tensor-parallel job is one "
             "unit) that holds GPUs %s; %s not targeted%s: stopping part of it leaves the rest hung and residue on the "
             "targeted GPUs; nothing was signalled. To go on, set collateral: stop (stops the whole job), or target "
             "%s too"
             % (min(p for p in job["pids"] if p in chosen), chosen[min(p for p in job["pids"] if p in chosen)]["name"],
                ", ".join(str(p) for p in job["pids"]), ", ".join(str(i) for i in job_gpus),
-               gpu_list_words(untargeted), " (%s)" % mib_list(over) if over else "", gpu_list_words(untargeted)))
+               gpu_list_words(untargeted), " (%s)" % mib_list(over) if over else "", gpu_list_words(untargeted)),
+            job["pids"])
     unknown_index = dict((u["minor"], u["index"]) for u in getattr(report, "unknown_gpus", ()))
     for record in sorted(chosen.values(), key=lambda r: r["pid"]):
         unknown = [m for m in record.get("unknown_gpus") or () if unknown_index.get(m) not in targets]
         if unknown and collateral != "stop" and record["pid"] not in in_job_refusal:
-            decision.refusals.append(
+            decision.refuse(
                 "pid %d (%s) also has a context on %s, which NVML cannot describe (lost, or its calls fail): "
                 "stopping it would free an unknown amount there, and maybe stop its work; nothing was signalled. "
-                "To go on, set collateral: stop" % (record["pid"], record["name"], unknown_words(unknown, unknown_index)))
+                "To go on, set collateral: stop" % (record["pid"], record["name"], unknown_words(unknown, unknown_index)),
+                [record["pid"]])
             continue
         over, dummy = pinning.untargeted_shares(record, targets, tolerance_mib)
         if over and collateral != "stop" and record["pid"] not in in_job_refusal:
-            decision.refusals.append(
+            decision.refuse(
                 "pid %d (%s) holds %s, which %s not targeted, beyond the %d MiB of a bare context "
                 "(collateral_tolerance_mib): stopping it would stop its work there; nothing was signalled. To go on, "
                 "set collateral: stop, or target %s too"
                 % (record["pid"], record["name"], mib_list(over), "is" if len(over) == 1 else "are", tolerance_mib,
-                   gpu_list_words([i for i, dummy in over])))
+                   gpu_list_words([i for i, dummy in over])), [record["pid"]])
     decision.to_signal = sorted(chosen.values(), key=lambda r: r["pid"])
     return decision
 

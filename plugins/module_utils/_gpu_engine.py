@@ -464,7 +464,7 @@ class Engine(object):
                 view = views[gpu_report["index"]]
                 gpu_report["by_container"] = node.by_container(
                     view["procs"], view["used_mib"], holders, self.proc_root,
-                    stale=set(e["pid"] for e in stale if e["gpu"] == gpu_report["index"]))
+                    stale=set(e["pid"] for e in stale if e["gpu"] == gpu_report["index"]), index=gpu_report["index"])
                 gpu_report["passed_into"] = node.passed_into(confs, gpu_report["minor"])
         report = Report(self, targets, gpu_reports, [h for h in holders if h["pid"] not in own_tree], clients, scan)
         report.protected_holders = sorted(protected, key=lambda r: r["pid"])

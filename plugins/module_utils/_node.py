@@ -146,11 +146,13 @@ def read_ha_resources(path=PVE_HA_RESOURCES):
 
 
 # ---- the node's view of NVML memory, by container
-def by_container(procs, used_mib, holders, proc_root="/proc", stale=()):
-    """MiB per container of one GPU from NVML's node view; the values add up to used_mib.
+def by_container(procs, used_mib, holders, proc_root="/proc", stale=(), index=None):
+    """MiB per container of one GPU (index) from NVML's node view; the values add up to used_mib.
 
     A pid NVML names but /proc no longer has (a dead parent whose fork child keeps the
-    memory, GPU_FACTS row 5) is charged to the container of the holder that is its heir.
+    memory, GPU_FACTS row 5) is charged to the container of the holder that is its heir
+    (its process group or session), else to the one container whose holders were pinned to
+    this GPU by that dead pid's memory (evidence dead_pid: the evidence that plans them).
     A stale entry (stale: pids whose entry on this GPU pins nobody) is unattributed: never
     charged to the container of the live process that has that number.
     """
@@ -160,12 +162,16 @@ def by_container(procs, used_mib, holders, proc_root="/proc", stale=()):
     for holder in holders:
         for dead in holder.get("heir_of") or ():
             heirs.setdefault(dead, holder.get("container"))
+    pinned_by_dead = set(h.get("container") for h in holders
+                         if index in (h.get("shares_mib") or {}) and "dead_pid" in (h.get("evidence") or ()))
+    orphan_heir = pinned_by_dead.pop() if len(pinned_by_dead) == 1 else None
     listed = 0
     for proc in procs or ():
         mib = proc.get("used_mib") or 0
         listed += mib
-        where = (known.get(proc["pid"]) or (None if proc["pid"] in stale else container_of_pid(proc["pid"], proc_root))
-                 or heirs.get(proc["pid"]) or UNATTRIBUTED)
+        gone = None if proc["pid"] in stale else container_of_pid(proc["pid"], proc_root)
+        where = (known.get(proc["pid"]) or gone or heirs.get(proc["pid"])
+                 or (orphan_heir if proc["pid"] not in stale else None) or UNATTRIBUTED)
         out[where] = out.get(where, 0) + mib
     if used_mib is not None and used_mib > listed:
         out[UNATTRIBUTED] = out.get(UNATTRIBUTED, 0) + used_mib - listed

@@ -15,6 +15,7 @@ import re
 import signal
 import stat as stat_mod
 import subprocess
+import concurrent.futures
 import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
@@ -310,8 +311,9 @@ class Releaser(object):
                  log=None, check_mode=False, lock_dir=LOCK_DIR, nvidia_smi=None, poll_s=POLL_S,
                  collateral="refuse", collateral_tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB, scope=None, shared_gpu="all",
                  container_restart=False, restart_backend=None, container_timeout=60.0, stop_found_units=False,
-                 stop_timeout=60.0):
+                 stop_timeout=60.0, stop_concurrency=1):
         self.engine = engine
+        self.stop_concurrency = stop_concurrency
         self.stop_found_units = stop_found_units
         self.stop_timeout = stop_timeout
         self.found_units = []     # units.found_for of the plan, with each stop's outcome
@@ -350,6 +352,7 @@ class Releaser(object):
         self.skipped = []
         self.plan = []
         self.refusals = []
+        self.refused_in = []     # per refusal, the set of containers (vmids) it is about; empty: not only containers
         self.jobs = {}
         self._ranks = []
         self.linked = []
@@ -519,6 +522,8 @@ class Releaser(object):
         """Decide whom to signal; returns the plan (check mode's answer). self.refusals stops the task."""
         decision = self._decide(report)
         self.to_signal, self.skipped, self.refusals = decision.to_signal, decision.skipped, decision.refusals
+        where = dict((r["pid"], r.get("container")) for r in list(report.holders) + list(report.clients))
+        self.refused_in = [self._containers_of(pids, where) for pids in decision.refused_pids]
         self.jobs = decision.jobs
         self._known_pids = set(r["pid"] for r in report.holders) | set(r["pid"] for r in report.clients)
         uuid_of = dict((g["index"], g.get("uuid")) for g in self.engine.gpus)
@@ -534,6 +539,24 @@ class Releaser(object):
             self.restart_plan = self._restart_plan(report)
         return self.plan
 
+    def _containers_of(self, pids, where):
+        """The containers of pids (a set of vmids), or an empty set when one of them is in none or cannot be read."""
+        out = set()
+        for pid in pids:
+            vmid = where.get(pid) or node.container_of_pid(pid, self.proc_root)
+            if vmid in (None, node.HOST, node.UNATTRIBUTED):
+                return set()
+            out.add(vmid)
+        return out
+
+    def _refuse(self, msg, vmid):
+        self.refusals.append(msg)
+        self.refused_in.append(set([vmid]))
+
+    def leave_out(self, vmids):
+        """Narrow the scope: vmids' processes are no longer signalled (their container was refused)."""
+        self.scope = node.Scope(self.scope.containers - set(vmids), self.scope.host_processes, self.proc_root)
+
     # -- what would respawn the plan's holders, stopped in their containers (node side)
     def find_units(self):
         """The units and programs that run the planned holders (node view, stop_found_units)."""
@@ -544,16 +567,31 @@ class Releaser(object):
         return found
 
     def stop_units(self, found):
-        """Stop each found unit through its container's own manager; every outcome is recorded."""
+        """Stop each found unit through its container's own manager, stop_concurrency containers at once (each
+        container's units one after another); every outcome is recorded, in the order of found."""
         by_key = dict(((u["vmid"], u["kind"], u["name"]), u) for u in self.found_units)
+        per_container = {}
         for entry in found:
-            self._check_deadline("the stop of %s %s in container %s" % (entry["kind"], entry["name"], entry["vmid"]))
-            left = self._left()
-            done = units.stop(entry, self.stop_timeout if left is None else min(self.stop_timeout, max(1.0, left)))
+            per_container.setdefault(entry["vmid"], []).append(entry)
+
+        def stop_all(entries):
+            out = []
+            for entry in entries:
+                self._check_deadline("the stop of %s %s in container %s" % (entry["kind"], entry["name"], entry["vmid"]))
+                left = self._left()
+                out.append((entry, units.stop(entry, self.stop_timeout if left is None
+                                              else min(self.stop_timeout, max(1.0, left))), self.now()))
+            return out
+
+        workers = max(1, min(self.stop_concurrency, len(per_container)))
+        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+            outcomes = [done for batch in pool.map(stop_all, list(per_container.values())) for done in batch]
+        for entry, done, when in sorted(outcomes, key=lambda o: o[2]):
             outcome = ("done: %s" % done["text"]) if done["ok"] else ("failed: %s" % done["text"])
             by_key[(entry["vmid"], entry["kind"], entry["name"])]["outcome"] = outcome
-            action = {"time": round(time.time(), 3), "elapsed_s": round(self.now() - self.started, 3), "pid": 0,
-                      "name": "%s %s" % ("unit" if entry["kind"] == "systemd" else "supervisord program", entry["name"]),
+            action = {"time": round(time.time() - (self.now() - when), 3), "elapsed_s": round(when - self.started, 3),
+                      "pid": 0, "name": "%s %s" % ("unit" if entry["kind"] == "systemd" else "supervisord program",
+                                                   entry["name"]),
                       "vmid": entry["vmid"], "signal": "stop", "outcome": outcome}
             self.actions.append(action)
             self.log("gpuops.fleet.gpu_release: stop of %s in container %s: %s" % (action["name"], entry["vmid"], outcome))
@@ -576,17 +614,17 @@ class Releaser(object):
                      "refusal": restart.refusal(self.restart_backend, vmid) if self.restart_backend else None}
             unknown = restart_unknown(holders)
             if unknown and self.collateral != "stop":
-                self.refusals.append(
+                self._refuse(
                     "container_restart would restart container %s, whose processes also have a context on the GPU of "
                     "minor %s, which NVML cannot describe (an unknown amount); nothing was signalled. To go on, set "
-                    "collateral: stop" % (vmid, ", ".join(str(m) for m in unknown)))
+                    "collateral: stop" % (vmid, ", ".join(str(m) for m in unknown)), vmid)
             if over and self.collateral != "stop":
                 words = (vmid, mib_list(over), "is" if len(over) == 1 else "are", len(entry["processes"]),
                          gpu_list_words([i for i, dummy in over]))
-                self.refusals.append(
+                self._refuse(
                     "container_restart would restart container %s, whose processes also hold %s, which %s not "
                     "targeted (a restart stops everything in it: %d processes); nothing was signalled. To go on, set "
-                    "collateral: stop, or target %s too" % words)
+                    "collateral: stop, or target %s too" % words, vmid)
             out.append(entry)
         return out
 
@@ -905,7 +943,7 @@ def remaining_of(report, scope=None):
     return out
 
 
-def per_container(before, after, releaser):
+def per_container(before, after, releaser, refused=()):
     """On a node with containers in scope: one entry per container, its GPUs (those its config passes in, or
     that it holds) with its MiB before and after, what of it was signalled, whether it changed, its verdict."""
     scope = releaser.scope
@@ -915,6 +953,8 @@ def per_container(before, after, releaser):
     later = dict((g.get("uuid"), g) for g in after.gpus) if after is not None else {}
     out = []
     for vmid in sorted(scope.containers, key=int):
+        if vmid in refused:
+            continue
         one = node.Scope([vmid], proc_root=scope.proc_root)
         pids = set(pid for pid, ct in where.items() if ct == vmid)
         rows = []
@@ -927,7 +967,7 @@ def per_container(before, after, releaser):
             free = None
             if after is not None:
                 free = bool(now) and (free_for_scope(after, now, one) if releaser.own_only else now["free"])
-            rows.append({"index": gpu["index"], "uuid": gpu.get("uuid"), "before_mib": mine,
+            rows.append({"index": gpu["index"], "minor": gpu.get("minor"), "uuid": gpu.get("uuid"), "before_mib": mine,
                          "after_mib": None if now is None else (now.get("by_container") or {}).get(vmid, 0),
                          "free": free})
         signals = [a for a in releaser.actions if a["pid"] in pids or a.get("vmid") == int(vmid)]
@@ -980,7 +1020,41 @@ def collateral_of(engine, releaser, before, measure_after):
     return out
 
 
-def _after_stops(releaser, found):
+def _leave_out_refused(releaser, report, refused):
+    """Node side, several containers in scope: the containers that the refusals are about are left out (each
+    with its refusals in refused) and the others are decided again, so that one container's refusal never
+    stops the others. A refusal about a process in no container, or one that would leave nothing, stops all."""
+    while releaser.refusals and releaser.scope is not None and len(releaser.scope.containers) > 1:
+        about = set()
+        for vmids in releaser.refused_in:
+            if not vmids or not vmids <= releaser.scope.containers:
+                return
+            about |= vmids
+        if about >= releaser.scope.containers:
+            return
+        for msg, vmids in zip(releaser.refusals, releaser.refused_in):
+            for vmid in vmids:
+                refused.setdefault(vmid, []).append(msg)
+        releaser.log("gpuops.fleet.gpu_release: containers %s left out, refused: %s"
+                     % (", ".join(sorted(about, key=int)), " | ".join(releaser.refusals)))
+        releaser.leave_out(about)
+        releaser.prepare(report)
+
+
+def refused_entries(refused):
+    """per_container entries of the containers left out by a refusal: {vmid: [refusals]}."""
+    return [dict(entry, verdict="refused") for entry in skipped_entries(
+        dict((vmid, " | ".join(msgs)) for vmid, msgs in refused.items()))]
+
+
+def refused_words(refused):
+    if not refused:
+        return ""
+    return "; refused, nothing of it signalled: %s" % "; ".join(
+        "container %s: %s" % (vmid, " | ".join(refused[vmid])) for vmid in sorted(refused, key=int))
+
+
+def _after_stops(releaser, found, refused):
     """Stops the found units, reads again, decides again on the fresh report: the report to climb the ladder
     from, or None when the stops freed every targeted GPU. The plan keeps its first entries."""
     first = list(releaser.plan)
@@ -989,6 +1063,7 @@ def _after_stops(releaser, found):
     if targets_free(fresh, releaser.scope if releaser.own_only else None):
         return None
     releaser.prepare(fresh)
+    _leave_out_refused(releaser, fresh, refused)
     planned = set(e["pid"] for e in first)
     releaser.plan = first + [e for e in releaser.plan if e["pid"] not in planned]
     return fresh
@@ -1013,9 +1088,14 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                         scope=opts.get("scope"), shared_gpu=opts.get("shared_gpu", "all"),
                         container_restart=opts.get("container_restart", False),
                         restart_backend=opts.get("restart_backend"), container_timeout=opts.get("container_timeout", 60.0),
-                        stop_found_units=opts.get("stop_found_units", False), stop_timeout=opts.get("stop_timeout", 60.0))
-    scope = releaser.scope if releaser.own_only else None
+                        stop_found_units=opts.get("stop_found_units", False), stop_timeout=opts.get("stop_timeout", 60.0),
+                        stop_concurrency=opts.get("stop_concurrency", 1))
+
+    def own():
+        return releaser.scope if releaser.own_only else None
+
     skipped = dict(opts.get("skipped_containers") or {})
+    refused = {}     # vmid -> the refusals that left it out
     if progress is not None:
         progress["releaser"] = releaser
     result = {"changed": False, "actions": releaser.actions, "rung_reached": "none", "plan": [], "lock_wait_s": 0.0,
@@ -1029,13 +1109,13 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
     def finish(failed, msg, before, after):
         result["rung_reached"] = releaser.rung
         result["changed"] = releaser.changed if not check_mode else bool(releaser.plan)
-        result["before"] = gpu_summary(before, scope)
-        result["after"] = gpu_summary(after, scope) if after is not None else None
+        result["before"] = gpu_summary(before, own())
+        result["after"] = gpu_summary(after, own()) if after is not None else None
         result["restart_plan"] = releaser.restart_plan
         if after is not None:
             b, a = _used(before), _used(after)
             result["released_mib"] = max(0, sum((b[i] or 0) - (a.get(i) or 0) for i in b if b[i] is not None))
-            result["remaining"] = remaining_of(after, scope)
+            result["remaining"] = remaining_of(after, own())
             result["diagnosis"] = list(after.diagnosis)
         result["plan"] = releaser.plan
         result["jobs"] = sorted(releaser.jobs.values(), key=lambda j: j["id"])
@@ -1044,8 +1124,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         result["collateral"] = collateral_of(engine, releaser, before, after is not None)
         result["not_signalled"] = releaser.skipped
         result["respawned"] = releaser.respawned
-        result["per_container"] = sorted(per_container(before, after, releaser) + skipped_entries(skipped),
-                                         key=lambda entry: entry["vmid"])
+        result["per_container"] = sorted(per_container(before, after, releaser, refused) + skipped_entries(skipped)
+                                         + refused_entries(refused), key=lambda entry: entry["vmid"])
         result["found_units"] = releaser.found_units
         for skip in releaser.skipped:
             result["diagnosis"].append("pid %d (%s) holds a targeted GPU but was not signalled: %s"
@@ -1079,22 +1159,24 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                             for g in broken)
             result["diagnosis"] = list(before.diagnosis)
             return finish(True, "NVML failed, nothing was signalled: " + msg, before, None)
-        if targets_free(before, scope):
+        if targets_free(before, own()):
             estimate = "" if free_words(before) == "verified free" else " (by estimate: %s)" % ESTIMATE_WHY
             return finish(False, "every targeted GPU is already free" + estimate if before.all_free else
                           "nothing of %s holds the targeted GPUs (shared_gpu: own)" % releaser.scope.describe(), before, before)
         releaser.prepare(before)
+        _leave_out_refused(releaser, before, refused)
         if releaser.refusals:
             result["diagnosis"] = list(before.diagnosis)
             return finish(True, " | ".join(releaser.refusals), before, None)
         found = releaser.find_units()
         if check_mode:
             result["diagnosis"] = list(before.diagnosis)
-            return finish(False, "check mode: %d processes would be signalled%s" % (
-                len(releaser.plan), "" if not found else ", after %d units stopped" % len(found)), before, None)
+            return finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (
+                len(releaser.plan), "" if not found else ", after %d units stopped" % len(found),
+                refused_words(refused)), before, None)
         try:
             if found:
-                fresh = _after_stops(releaser, found)
+                fresh = _after_stops(releaser, found, refused)
                 if releaser.refusals:
                     after = releaser.snapshot()
                     return finish(True, " | ".join(releaser.refusals), before, after)
@@ -1114,16 +1196,16 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         return finish(True, "GPU %s is not free: NVML no longer lists it after it was opened again (a reset that "
                       "did not bring the GPU back, or a driver restart); find it with nvidia-smi on the node"
                       % ", ".join(releaser.missing), before, after)
-    if targets_free(after, scope):
+    if targets_free(after, own()):
         words = free_words(after)
-        return finish(False, words if after.all_free else
-                      "%s of %s (shared_gpu: own)" % (words, releaser.scope.describe()), before, after)
-    busy = [g for g in after.gpus if not (free_for_scope(after, g, scope) if scope else g["free"])]
+        return finish(bool(refused), (words if after.all_free else "%s of %s (shared_gpu: own)"
+                                      % (words, releaser.scope.describe())) + refused_words(refused), before, after)
+    busy = [g for g in after.gpus if not (free_for_scope(after, g, own()) if own() else g["free"])]
     tried = ", ".join("%s to %d: %s" % (a["signal"], a["pid"], a["outcome"]) if a["pid"] else
                       "%s %s: %s" % (a["signal"], a["name"], a["outcome"]) for a in releaser.actions) or "nothing"
     failed, msg, res = finish(True, "", before, after)
-    res_msg = ("GPU %s not free after the ladder (used %s MiB, threshold %s MiB); tried: %s; diagnosis: %s"
+    res_msg = ("GPU %s not free after the ladder (used %s MiB, threshold %s MiB); tried: %s; diagnosis: %s%s"
                % (", ".join(str(g["index"]) for g in busy),
                   ", ".join(str((g.get("memory") or {}).get("used_mib")) for g in busy),
-                  engine.threshold_mib, tried, " | ".join(res["diagnosis"])))
+                  engine.threshold_mib, tried, " | ".join(res["diagnosis"]), refused_words(refused)))
     return failed, res_msg, res

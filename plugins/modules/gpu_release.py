@@ -158,6 +158,11 @@ options:
       - A listed container whose config carries a C(lock) (backup, migrate, snapshot) is left out before
         anything, with verdict C(skipped) in RV(per_container); the others are released, and the task then fails
         naming the lock.
+      - "One container's refusal never stops the others: a refusal that concerns only the processes of some listed
+        containers (a holder that also holds an untargeted GPU, a job only partly in scope, a restart that would
+        stop untargeted work) leaves those containers out, with verdict C(refused) and the refusal as C(reason) in
+        RV(per_container); nothing of them is signalled or stopped, the others are released, and the task then
+        fails naming the refusal. A refusal about a process in no container stops the whole task before any signal."
     type: list
     elements: int
     default: []
@@ -215,6 +220,13 @@ options:
     description: Seconds each stop of O(stop_found_units) may take (within O(timeout)). More than 0.
     type: float
     default: 60
+  stop_concurrency:
+    description:
+      - How many containers have their O(stop_found_units) stops run at once (a container's own units one after
+        another). 1 or more.
+      - The role's node path sets it from C(release_gpus_node_concurrency).
+    type: int
+    default: 4
   proxmox_api:
     description:
       - Credentials for the container rung's Proxmox API calls (C(status/stop), C(status/start), waiting for both
@@ -515,12 +527,13 @@ restart_plan:
 per_container:
   description:
     - On a node with O(containers), one entry per container in the scope, from this one task.
-    - C(gpus) are the targeted GPUs its config passes in (or that it holds), with C(before_mib) and C(after_mib), its
+    - C(gpus) are the targeted GPUs its config passes in (or that it holds), by C(index) and C(minor) on the node and
+      C(uuid), with C(before_mib) and C(after_mib), its
       own MiB by NVML's node view, and C(free) (nothing of it holds the GPU with O(shared_gpu=own); the whole GPU
       free with V(all); null in check mode).
     - C(changed) is true when something of it was signalled, stopped or restarted (in check mode, when something of it
-      is planned). C(verdict) is C(free), C(busy), C(planned) or C(nothing to do) (check mode), or C(skipped) for a
-      locked container (see O(containers)), with C(reason).
+      is planned). C(verdict) is C(free), C(busy), C(planned) or C(nothing to do) (check mode), or, with C(reason),
+      C(skipped) for a locked container or C(refused) for one left out by a refusal (see O(containers)).
     - C(planned) lists its pids in RV(plan); C(actions) the signals, stops and restarts that concern it;
       C(not_signalled) its holders left alone; C(found_units) its part of RV(found_units) and C(stopped) the names
       of those stopped.
@@ -531,7 +544,7 @@ per_container:
   type: list
   elements: dict
   sample: [{"vmid": 101, "changed": true, "verdict": "free", "planned": [4388],
-            "gpus": [{"index": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "before_mib": 300, "after_mib": 0,
+            "gpus": [{"index": 0, "minor": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "before_mib": 300, "after_mib": 0,
                       "free": true, "rung": "sigterm", "signals": ["SIGTERM 4388 (python3)"]}],
             "found_units": [], "stopped": [],
             "actions": [{"pid": 4388, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}], "not_signalled": []}]
@@ -645,6 +658,7 @@ def main():
         container_timeout=dict(type="float", default=60.0),
         stop_found_units=dict(type="bool", default=False),
         stop_timeout=dict(type="float", default=60.0),
+        stop_concurrency=dict(type="int", default=4),
         proxmox_api=dict(type="dict", options=dict(
             host=dict(type="str", required=True),
             port=dict(type="int", default=8006),
@@ -664,6 +678,7 @@ def main():
     check_numbers(module, ["term_timeout", "kill_timeout", "verify_timeout", "lock_timeout", "reset_timeout",
                            "collateral_tolerance_mib"])
     check_numbers(module, ["timeout", "container_timeout", "stop_timeout"], strict=True)
+    check_numbers(module, ["stop_concurrency"], minimum=1)
     patterns = check_common_params(module)
     scope = check_scope(module)
     try:
@@ -704,7 +719,7 @@ def main():
         options.update(match=match, protect=protect, scope=scope, shared_gpu=params["shared_gpu"],
                        container_restart=params["container_restart"], container_timeout=params["container_timeout"],
                        stop_found_units=params["stop_found_units"], stop_timeout=params["stop_timeout"],
-                       skipped_containers=skipped)
+                       stop_concurrency=params["stop_concurrency"], skipped_containers=skipped)
         if params["container_restart"]:
             try:
                 options["restart_backend"] = restart.backend_for(params["proxmox_api"])

@@ -3,7 +3,8 @@
 24 containers on 3 lab nodes (8 per node, each container its own GPU), each with one holder.
 In every round, against the same lab in the same run:
 
-- the whole role: playbooks/release_gpus.yml (forks 24, release_gpus_node_concurrency 8);
+- the whole role on the container path: playbooks/release_gpus.yml with release_gpus_from: container (forks 24,
+  release_gpus_node_concurrency 8);
 - the node path: the same playbook with release_gpus_from: node (one gpu_release task per node, issue 20);
 - the anchor: a playbook with one gpuops.fleet.gpu_release task per container (forks 24);
 - the same two on a single container (ct101).
@@ -88,6 +89,7 @@ def main():
     for key, value in sorted(TIMEOUTS.items()):
         role_args += ["-e", "release_gpus_%s=%s" % (key, value)]
     node_args = role_args + ["-e", "release_gpus_from=node"]
+    role_args = role_args + ["-e", "release_gpus_from=container"]     # the per-container path
     variants = [("role, fleet", os.path.join(REPO, "playbooks", "release_gpus.yml"), None, role_args, 24),
                 ("node path, fleet", os.path.join(REPO, "playbooks", "release_gpus.yml"), None, node_args, 24),
                 ("gpu_release, fleet", anchor, None, [], 24),
@@ -125,7 +127,7 @@ def main():
         "## Fleet: the role and the node path against gpu_release tasks (`tests/bench/bench_fleet.py`)",
         "",
         "%d containers on %d lab nodes (%d per node, each container its own GPU), each with one `plain` holder of %d MiB; "
-        "lab `pct` start-up delay %s s. The whole role is `playbooks/release_gpus.yml` (forks 24, "
+        "lab `pct` start-up delay %s s. The whole role is `playbooks/release_gpus.yml` with `release_gpus_from: container` (forks 24, "
         "`release_gpus_node_concurrency` 8, dependencies present, no service to stop); the node path is the same playbook "
         "with `release_gpus_from: node` (one `gpu_release` task per node for its 8 containers); the anchor is a playbook with one "
         "`gpuops.fleet.gpu_release` task per container (forks 24), same timeouts. %d rounds; each round runs every variant "

@@ -131,8 +131,11 @@ class RoleLab:
     # ---- ansible
     def playbook(self, name, extra_vars=None, limit=None, check=False, args=()):
         report_dir = tempfile.mkdtemp(dir=self.workdir, prefix="report-")
+        # These tests are the container path's (hosts with no node known: bare metal, no proxmox_node_host); the
+        # lab's containers know their node, so the default (auto) would take the node path, which
+        # test_role_fleet_node.py and test_node_side.py test.
         variables = {"release_gpus_report_dir": report_dir, "release_gpus_term_timeout": 2,
-                     "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 10}
+                     "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 10, "release_gpus_from": "container"}
         variables.update(extra_vars or {})
         vars_file = os.path.join(report_dir, "vars.json")
         with open(vars_file, "w") as f:

@@ -6,6 +6,8 @@ node's. The truth is `labctl gpus` and the host's /proc, never only the module's
 """
 import json
 import os
+import re
+import shutil
 import subprocess
 import tempfile
 
@@ -21,6 +23,7 @@ lab = module_lab(lambda: EngineLab("node11", ["--nodes", "1", "--containers", "3
                                               "--layout", "103=2", "--shared-run-lock", "103"]))
 clean = clean_engine_lab()
 FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
+INSTALLED = r"Install the wheels with the target's Python, without an index\] \*+\nchanged: \[ct101 -> pve1\b"
 
 
 def node_gpu(play, minor):
@@ -282,14 +285,15 @@ def test_one_node_task_stops_each_containers_program_and_reports_each_container(
 
 
 def test_auto_releases_inside_then_from_the_node_when_another_containers_memory_is_left(clean):
-    """The container path's node fallback (release_gpus_from: auto): 101's holder is released inside 101; GPU 0
-    still holds 102's memory, which 101 cannot see, so the role reads it again from the node (shared_gpu: own),
-    where nothing of 101 holds it: 101 is done, and 102's holder is never signalled."""
+    """The container path's node fallback (release_gpus_from: auto with a GPU list, which the node path does not
+    take): 101's holder is released inside 101; GPU 0 still holds 102's memory, which 101 cannot see, so the role
+    reads it again from the node (shared_gpu: own), where nothing of 101 holds it: 101 is done, and 102's holder is
+    never signalled."""
     mine = clean.run("plain", 101, [0], mib=500)
     other = clean.run("plain", 102, [0], mib=700)
     report_dir = tempfile.mkdtemp(dir=clean.workdir, prefix="report-")
     variables = {"release_gpus_report_dir": report_dir, "release_gpus_install_deps": False, "release_gpus_from": "auto",
-                 "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 5}
+                 "release_gpus_gpus": [0], "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 5}
     proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", clean.inventory,
                            os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "ct101",
                            "-e", json.dumps(variables)], cwd=REPO, env=clean.env, stdout=subprocess.PIPE,
@@ -316,3 +320,67 @@ def test_a_locked_container_is_left_out_and_the_others_are_released(clean):
     assert per[102]["verdict"] == "skipped" and "locked (backup)" in per[102]["reason"] and per[102]["changed"] is False
     assert signalled(play) == [node_pid(mine)] and play["scope"]["containers"] == [101]
     assert not host_alive(mine["holders"][0]) and host_alive(locked["holders"][0]) and clean.used(0) == 700
+
+
+def test_a_refused_container_is_left_out_and_the_others_are_released(clean):
+    """Issue 20: one container's refusal never stops the others. 101's holder also holds GPU 1, which is not
+    targeted: 101 is refused (nothing of it signalled), 102 on GPU 0 is released, and the task fails naming 101."""
+    wide = clean.run("plain", 101, [0, 1], mib=800)
+    mine = clean.run("plain", 102, [0], mib=400)
+    args = dict(FAST, gpus=["0"], containers=[101, 102], shared_gpu="own")
+    check = clean.play("pve1", "gpu_release", args, check_mode=True)
+    per = dict((c["vmid"], c) for c in check["per_container"])
+    assert check.failed and (per[101]["verdict"], per[102]["verdict"]) == ("refused", "planned"), check
+    assert check["actions"] == [] and host_alive(wide["holders"][0]) and host_alive(mine["holders"][0])
+
+    play = clean.play("pve1", "gpu_release", args)
+    assert play.failed and "refused" in play["msg"] and "container 101" in play["msg"], play
+    per = dict((c["vmid"], c) for c in play["per_container"])
+    assert (per[101]["verdict"], per[101]["changed"], per[101]["actions"]) == ("refused", False, []), per[101]
+    assert "not targeted" in per[101]["reason"], per[101]
+    assert (per[102]["verdict"], per[102]["changed"]) == ("free", True), per[102]
+    assert signalled(play) == [node_pid(mine)] and play["scope"]["containers"] == [101, 102]
+    assert host_alive(wide["holders"][0]) and not host_alive(mine["holders"][0])
+    assert clean.used(0) == 800 and clean.used(1) == 800
+
+
+def test_the_node_path_installs_psutil_and_nvidia_ml_py_on_the_node_as_in_a_container(clean):
+    """Issue 20: release_gpus.yml's default (auto) takes the node path for a container whose node is known; the node
+    needs psutil and nvidia-ml-py, and the role installs them there the same way (here from the controller's
+    wheels into a bare interpreter, named by the node's inventory entry alone), once; the second run changes nothing."""
+    from _rolelab import make_venv
+    root = os.path.join(REPO, ".lab", "node-deps-%s" % clean.lab_id)
+    shutil.rmtree(root, ignore_errors=True)
+    python = make_venv(root, with_pip=False)
+    workdir = tempfile.mkdtemp(dir=clean.workdir, prefix="node-deps-")
+    node_inventory = os.path.join(workdir, "node.yml")
+    with open(node_inventory, "w") as f:
+        json.dump({"all": {"hosts": {"pve1": {"ansible_python_interpreter": python}}}}, f)
+    holder = clean.run("plain", 101, [0], mib=300)
+    variables = {"release_gpus_report_dir": workdir, "release_gpus_deps_sources": ["wheels"],
+                 "release_gpus_wheel_dir": os.path.join(REPO, ".cache", "wheels"),
+                 "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 5}
+
+    def run():
+        return subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", clean.inventory, "-i", node_inventory,
+                               os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "ct101",
+                               "-e", json.dumps(variables)], cwd=REPO, env=clean.env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, universal_newlines=True, timeout=600, check=False)
+    try:
+        assert subprocess.run([python, "-c", "import psutil"], capture_output=True, check=False).returncode != 0
+        first = run()
+        assert first.returncode == 0, first.stdout
+        assert "Node path | Release every selected container" in first.stdout, first.stdout
+        assert re.search(INSTALLED, first.stdout), first.stdout
+        imported = subprocess.run([python, "-c", "import psutil, pynvml; print(psutil.__file__)"],
+                                  capture_output=True, universal_newlines=True, check=False)
+        assert imported.returncode == 0 and imported.stdout.startswith(root), imported
+        with open(os.path.join(workdir, "ct101.json")) as f:
+            result = json.load(f)
+        assert (result["released_from"], result["verdict"], result["changed"]) == ("node", "free", True), result
+        assert not host_alive(holder["holders"][0]) and clean.used(0) == 0
+        again = run()
+        assert again.returncode == 0 and re.search(r"ct101\s*:.*changed=0", again.stdout), again.stdout
+        assert not re.search(INSTALLED, again.stdout), "imports checked first: nothing to install"
+    finally:
+        shutil.rmtree(root, ignore_errors=True)

@@ -1,6 +1,6 @@
 """Issues 11 and 20: the fleet case. 24 containers on 3 lab nodes; the 8 of each node share GPU 0; 21 hold it.
 
-release_gpus.yml with release_gpus_from: node takes the node path (issue 20): one gpu_release task on each
+release_gpus.yml with release_gpus_from auto (the default) or node takes the node path (issue 20): one gpu_release task on each
 node for all of its selected containers, which stops each supervisord program that would respawn a holder
 (found from the node) and walks the ladder; each container takes its own part of the result. The truth is
 `labctl gpus` and the host's /proc."""
@@ -55,12 +55,12 @@ def test_fleet_sharing_gpu0_is_freed_by_one_task_per_node_and_changed_is_exact(l
         if vmid not in IDLE:
             runs[vmid] = lab.run("respawn" if vmid in PROGRAMS else "plain", vmid, [0], mib=300, node="pve%s" % vmid[0])
     assert all(lab.used(0, node=n) == 7 * 300 for n in ("pve1", "pve2", "pve3"))
-    check = playbook(lab, {"release_gpus_from": "node"}, check=True)
+    check = playbook(lab, {}, check=True)     # release_gpus_from: auto, the default, takes the node path
     assert check.rc == 0 and all(lab.used(0, node=n) == 7 * 300 for n in ("pve1", "pve2", "pve3")), check
     assert all(host_alive(r["holders"][0]) for r in runs.values())
     assert sorted(h[2:] for h, r in check.recap.items() if h.startswith("ct") and r["changed"]) == sorted(runs), check
 
-    play = playbook(lab, {"release_gpus_from": "node"})
+    play = playbook(lab, {})
     assert play.rc == 0 and play.failed_hosts() == [], play
     node_tasks = [line for line in play.output.splitlines() if line.startswith("TASK [") and "Node path | Release every" in line]
     assert len(node_tasks) == 1, play       # one task, run on each node for all of its containers
@@ -84,5 +84,5 @@ def test_fleet_sharing_gpu0_is_freed_by_one_task_per_node_and_changed_is_exact(l
         (v, 0 if v in IDLE else 300, 0, "free" if v in IDLE else "freed") for v in VMIDS), rows
     assert all(r["rung"] == ("stop" if str(r["container"]) in PROGRAMS else "none" if str(r["container"]) in IDLE
                              else "sigterm") for r in rows), rows
-    again = playbook(lab, {"release_gpus_from": "node"})
+    again = playbook(lab, {"release_gpus_from": "node"})     # the same path, named
     assert again.rc == 0 and again.changed() == 0, again

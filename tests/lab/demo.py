@@ -5,7 +5,8 @@
    thread-group leader (fuser cannot see it), a forked child that kept its killed parent's
    memory, a supervisord program that respawns, a process that ignores SIGTERM; plus an NVML
    monitor that holds no memory and must survive.
-3. Runs `ansible-playbook playbooks/release_gpus.yml` through the gpuops.fleet.pct connection.
+3. Runs `ansible-playbook playbooks/release_gpus.yml`: the listed program stopped inside its container through
+   the gpuops.fleet.pct connection, then one gpu_release task per node for all of its containers (the node path).
 4. Prints a before/after table per container and GPU, from the fake driver's truth.
 5. Runs the playbook again: zero changed tasks.
 6. Checks that `labctl gpus` shows every GPU free and the monitor alive; tears the lab down.
@@ -182,8 +183,8 @@ def main():
             json.dump({"release_gpus_supervisor_programs": [program],
                        "release_gpus_term_timeout": 3,
                        "release_gpus_report_dir": report_dir}, f)
-        say("  vars: supervisord program %s stopped first; SIGTERM timeout 3 s; node throttle 1 container at a time"
-            % program)
+        say("  vars: supervisord program %s stopped first; SIGTERM timeout 3 s; one gpu_release task per node "
+            "(the node path) for its containers" % program)
         log1 = os.path.join(work, "run1.log")
         logs.append(log1)
         rc, recap1 = run_playbook(inventory, extra_vars, log1)
@@ -203,11 +204,15 @@ def main():
             if os.path.exists(report_path):
                 with open(report_path) as f:
                     report = json.load(f)
-            rows = {row["index"]: row for row in report.get("gpus", [])}
+            rows = {row.get("minor"): row for row in report.get("gpus", [])}
             for index in range(len(LAYOUT[vmid])):
                 used_before, node, minor = before[(vmid, index)]
                 used_after = after[(vmid, index)][0]
-                row = rows.get(index, {})
+                row = rows.get(minor, {})
+                # the report names the memory it found on each workload's GPU (201's program is stopped first)
+                if vmid not in ("201", "202") and index in WORKLOAD_GPUS[vmid] and row.get("before_mib") != used_before:
+                    failures.append("ct%s GPU %d: the report says %s MiB before, the driver %d"
+                                    % (vmid, index, row.get("before_mib"), used_before))
                 rung = row.get("rung") or "?"
                 how = ""
                 if used_before and not (row.get("before_mib") or 0):

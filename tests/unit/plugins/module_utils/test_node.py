@@ -75,6 +75,19 @@ def test_by_container_adds_up_to_used_and_charges_a_dead_parent_to_its_heir():
     assert sum(out.values()) == 1800
 
 
+def test_by_container_charges_a_dead_pid_to_the_one_container_pinned_by_its_memory():
+    """A fork child of a dead parent that led neither its group nor its session: the child was pinned to GPU 4
+    by the dead pid's memory (the evidence its plan prints), so its container is charged, not `unattributed`."""
+    child = {"pid": 10, "container": "103", "heir_of": [], "shares_mib": {4: 3072}, "evidence": ["mapping", "dead_pid"]}
+    other = {"pid": 20, "container": "101", "heir_of": [], "shares_mib": {0: 100}, "evidence": ["nvml", "mapping"]}
+    procs = [{"pid": 99999998, "used_mib": 3072}]
+    assert node.by_container(procs, 3072, [child, other], index=4) == {"103": 3072}
+    assert node.by_container(procs, 3072, [child, other], index=0) == {"unattributed": 3072}
+    assert node.by_container(procs, 3072, [child], stale={99999998}, index=4) == {"unattributed": 3072}
+    twin = dict(child, pid=11, container="102")     # two containers pinned by it: no guess
+    assert node.by_container(procs, 3072, [child, twin], index=4) == {"unattributed": 3072}
+
+
 def test_scope_allows_its_containers_and_host_processes_only_when_asked():
     scope = node.Scope([101], host_processes=False)
     assert scope.reason({"container": "101"}) is None

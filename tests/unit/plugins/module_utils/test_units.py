@@ -2,6 +2,7 @@
 import json
 import os
 import stat
+import threading
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
@@ -71,3 +72,46 @@ def test_the_stop_runs_inside_the_container_with_a_clean_environment_and_reports
     assert failed == {"ok": False, "text": "exit 1: worker: stopped"}
     missing = units.stop(entry, 10, attach=str(tmp_path / "none"))
     assert not missing["ok"] and "No such file" in missing["text"]
+
+
+class _Engine(object):
+    proc_root = "/proc"
+    view = "node"
+
+    def gpu(self, index):
+        return None
+
+
+def _stops(monkeypatch, concurrency, meet=None):
+    """Releaser.stop_units over 4 units in 3 containers with a stand-in stop; returns (releaser, calls, most at once)."""
+    from ansible_collections.gpuops.fleet.plugins.module_utils import _release as release
+    found = [{"vmid": v, "kind": "supervisord", "name": n, "argv": [], "pids": [p]}
+             for v, n, p in ((101, "a:a", 1), (101, "b:b", 2), (102, "c:c", 3), (103, "d:d", 4))]
+    lock, state, calls = threading.Lock(), {"now": 0, "most": 0}, []
+
+    def stop(entry, timeout):
+        with lock:
+            state["now"] += 1
+            state["most"] = max(state["most"], state["now"])
+            calls.append(entry["name"])
+        if meet is not None:
+            meet.wait()
+        with lock:
+            state["now"] -= 1
+        return {"ok": True, "text": "stopped"}
+
+    monkeypatch.setattr(units, "stop", stop)
+    releaser = release.Releaser(_Engine(), [], stop_concurrency=concurrency)
+    releaser.found_units = [dict((k, v) for k, v in u.items() if k != "argv") for u in found]
+    releaser.stop_units(found)
+    return releaser, calls, state["most"]
+
+
+def test_stops_run_in_several_containers_at_once_within_the_bound(monkeypatch):
+    # two at a time: each stop waits for a second one to be in flight, so a serial run would break the barrier
+    releaser, calls, most = _stops(monkeypatch, 2, threading.Barrier(2, timeout=30))
+    assert most == 2 and calls.index("a:a") < calls.index("b:b"), calls    # a container's own, one after another
+    assert sorted(a["name"] for a in releaser.actions) == ["supervisord program %s" % n for n in ("a:a", "b:b", "c:c", "d:d")]
+    assert all(u["outcome"] == "done: stopped" for u in releaser.found_units)
+    dummy, calls, most = _stops(monkeypatch, 1)
+    assert most == 1 and calls == ["a:a", "b:b", "c:c", "d:d"]

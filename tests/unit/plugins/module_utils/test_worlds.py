@@ -171,6 +171,13 @@ def test_no_plan_signals_a_process_that_truly_holds_no_targeted_gpu(seed):
                 elif not holds:                  # only as a member of a true job that holds a target
                     assert record["_why"] == "job_member" and record["pid"] in world["job"], (record, world)
                     assert any(truth[m] & targets for m in world["job"]), world
+            # each refusal names the processes it is about (a node-side release leaves their containers out), and
+            # one of them is among the holders the refusal concerns
+            assert len(decision.refused_pids) == len(decision.refusals), decision.refusals
+            listed = set(r["pid"] for r in report.holders)
+            for msg, pids in zip(decision.refusals, decision.refused_pids):
+                assert pids and set(pids) <= listed | set(world["job"]), (msg, pids)
+                assert any("pid %d " % p in msg for p in pids), (msg, pids)
             # a process linked to a planned one but not in its job (a client's server) is never stopped for it
             for a, b in world["links"]:
                 for x, y in ((a, b), (b, a)):

@@ -458,22 +458,39 @@ class Engine(object):
         for gpu_report in gpu_reports:
             gpu_report["protected_holders"] = sorted(h["pid"] for h in protected if gpu_report["index"] in h["gpus"])
             gpu_report["holders"] = [p for p in gpu_report["holders"] if p not in own_tree]
+        device_findings = []
         if not self.in_container:
             confs = node.read_pve_confs() if self.view == "node" else None
+            in_dev = {}
+            if confs is not None:
+                in_dev, device_findings = node.check_devices(confs, self._container_devs(holders + clients))
             for gpu_report in gpu_reports:
                 view = views[gpu_report["index"]]
                 gpu_report["by_container"] = node.by_container(
                     view["procs"], view["used_mib"], holders, self.proc_root,
                     stale=set(e["pid"] for e in stale if e["gpu"] == gpu_report["index"]), index=gpu_report["index"])
-                gpu_report["passed_into"] = node.passed_into(confs, gpu_report["minor"])
+                passed = node.passed_into(confs, gpu_report["minor"])
+                if passed is not None:
+                    passed = sorted(set(passed) | set(int(v) for v, minors in in_dev.items()
+                                                      if gpu_report["minor"] in minors))
+                gpu_report["passed_into"] = passed
         report = Report(self, targets, gpu_reports, [h for h in holders if h["pid"] not in own_tree], clients, scan)
         report.protected_holders = sorted(protected, key=lambda r: r["pid"])
         report.views, report.orphans, report.jobs, report.residue = views, orphans, jobs, residue
         report.nvml_stale, report.linked = stale, linked
         report.unknown_gpus = self._unknown(holders)
         report.unreadable = self.unreadable(scan, gpu_reports)
-        report.diagnosis = diagnose(report)
+        report.diagnosis = device_findings + diagnose(report)
         return report
+
+    def _container_devs(self, records):
+        """{vmid: dev_minors of its /dev} of each container with a process read here, through its lowest pid's root."""
+        first = {}
+        for record in records:
+            vmid = record.get("container")
+            if vmid and vmid not in (node.HOST, node.UNATTRIBUTED) and record["pid"] < first.get(vmid, record["pid"] + 1):
+                first[vmid] = record["pid"]
+        return dict((vmid, node.dev_minors("%s/%d/root/dev" % (self.proc_root, pid))) for vmid, pid in first.items())
 
     def _unknown(self, holders):
         """GPUs NVML cannot describe, by minor: those its calls fail on, and nodes holders map that it does not list."""

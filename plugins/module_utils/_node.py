@@ -86,6 +86,86 @@ def parse_pve_conf(text):
     return {"keys": keys, "minors": sorted(d["minor"] for d in devices if d["usable"]), "devices": devices}
 
 
+def device_minor(path, by_name):
+    """The GPU minor of the node's device at path: its st_rdev when it is a character device (195:N, N < 254;
+    another device: None), else (missing, or the lab's regular file) by_name, the minor its name says."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return by_name
+    if not stat_mod.S_ISCHR(st.st_mode):
+        return by_name
+    major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+    return minor if major == procscan.NVIDIA_MAJOR and minor < 254 else None
+
+
+def resolve_devices(parsed, dev_root="/"):
+    """A parsed config with each passed device's minor read from the node's device (st_rdev), not its name:
+    Proxmox lets /dev/nvidia3 be bound in as dev/nvidia0, and a name is only a name. "name_minor" keeps what the
+    name said where the two differ."""
+    devices = []
+    for dev in parsed["devices"]:
+        minor = device_minor(os.path.join(dev_root, dev["device"].lstrip("/")), dev["minor"])
+        devices.append(dict(dev, minor=minor, name_minor=dev["minor"]) if minor != dev["minor"] else dev)
+    minors = sorted(d["minor"] for d in devices if d["usable"] and d["minor"] is not None)
+    return dict(parsed, devices=devices, minors=minors)
+
+
+def dev_minors(dev_dir):
+    """{minor: [names]} of the GPU character devices (195:N, N < 254) directly in dev_dir, by st_rdev whatever
+    their names. None when dev_dir cannot be read or holds /dev/nvidiaN stand-ins that are not devices (the lab)."""
+    try:
+        names = sorted(os.listdir(dev_dir))
+    except OSError:
+        return None
+    out = {}
+    for name in names:
+        try:
+            st = os.lstat(os.path.join(dev_dir, name))
+        except OSError:
+            continue
+        if stat_mod.S_ISCHR(st.st_mode):
+            major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+            if major == procscan.NVIDIA_MAJOR and minor < 254:
+                out.setdefault(minor, []).append(name)
+        elif re.match(r"^nvidia\d+$", name) and stat_mod.S_ISREG(st.st_mode):
+            return None
+    return out
+
+
+def check_devices(confs, seen):
+    """The running containers' devices against their configs, by device number.
+
+    confs: {vmid: resolved config}; seen: {vmid: dev_minors() of the container's /dev, read through one of its
+    processes}. Returns ({vmid: minors its /dev holds}, [findings]): a GPU in a container's /dev counts as passed
+    in whatever the config says, and each difference is a finding."""
+    held, lines = {}, []
+    for vmid in sorted(seen, key=int):
+        found = seen[vmid]
+        if found is None:
+            continue
+        held[vmid] = sorted(found)
+        conf = (confs or {}).get(vmid)
+        if conf is None:
+            continue
+        configured = set(conf["minors"])
+        extra = sorted(set(found) - configured)
+        missing = sorted(configured - set(found))
+        renamed = ["%s is minor %d" % (name, m) for m in sorted(found) for name in found[m] if name != "nvidia%d" % m]
+        if extra:
+            names = ", ".join(n for m in extra for n in found[m])
+            lines.append("container %s: its /dev holds GPU minor %s (%s), which its config does not pass in; it is "
+                         "counted as that container's" % (vmid, ", ".join(str(m) for m in extra), names))
+        if missing:
+            lines.append("container %s: its config passes in GPU minor %s, but its /dev holds no such device (a "
+                         "bind that failed, or a config changed since it started: restart it to apply)"
+                         % (vmid, ", ".join(str(m) for m in missing)))
+        if renamed:
+            lines.append("container %s: %s by its device number: names are not GPUs, its GPUs are read by number"
+                         % (vmid, "; ".join(renamed)))
+    return held, lines
+
+
 def read_pve_confs(conf_dir=PVE_LXC_DIR):
     """{vmid: parsed config} of this node's containers; None when the directory cannot be read."""
     try:
@@ -99,7 +179,7 @@ def read_pve_confs(conf_dir=PVE_LXC_DIR):
             continue
         try:
             with open(os.path.join(conf_dir, name)) as f:
-                out[match.group(1)] = parse_pve_conf(f.read())
+                out[match.group(1)] = resolve_devices(parse_pve_conf(f.read()))
         except OSError:
             continue
     return out

@@ -41,6 +41,7 @@ except Exception as _exc:
 
 RUNGS = ("none", "sigterm", "sigkill", "wait", "container_restart", "reset")
 POLL_S = 0.075
+FULL_READ_EVERY_S = 1.0  # shared_gpu: own polls read NVML alone in between (_scope_still_holds)
 GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wait for its memory
 RESPAWN_WINDOW_S = 3.0   # how long to watch the parents of killed holders after the verdict
 RESPAWN_STARTING_S = 6.0  # longer while a new child of theirs is still starting (maps nothing yet)
@@ -361,6 +362,9 @@ class Releaser(object):
         self.respawned = None
         self.watch = None        # respawn.RespawnWatch, from the first signal on
         self.reset_done = False
+        self.last_report = None  # the last full read (snapshot), for the cheap polls of shared_gpu: own
+        self.last_full_at = None
+        self.reads = {"fast": 0, "full": 0}
 
     # -- helpers
     def now(self):
@@ -416,13 +420,37 @@ class Releaser(object):
             raise NvmlFailure("NVML was opened again during each of %d reads of the GPUs; their indexes cannot be "
                               "trusted, nothing more was done" % SNAPSHOT_TRIES)
         self.evidence = {"nvml_stale": list(report.nvml_stale), "unknown_gpus": list(report.unknown_gpus)}
+        self.last_report, self.last_full_at = report, self.now()
+        self.reads["full"] += 1
         return report
+
+    def _scope_still_holds(self):
+        """shared_gpu: own, between full reads: True when NVML alone shows the scope still holding a target (its
+        named pids' MiB by container, a gone pid charged as the last full read's evidence says, above the
+        threshold). Cheap: NVML and one cgroup read per named pid, no /proc walk. False never means free: the
+        verdict is always a full read's."""
+        last = self.last_report
+        if last is None or self.now() - self.last_full_at >= FULL_READ_EVERY_S:
+            return False
+        self.reads["fast"] += 1
+        for index in self.targets:
+            try:
+                procs = self.engine.nvml.processes(index)
+            except Exception:  # pylint: disable=broad-except
+                return False   # the full read says why
+            stale = set(e["pid"] for e in last.nvml_stale if e["gpu"] == index)
+            mine = node.by_container(procs, None, last.holders, self.proc_root, stale, index)
+            if sum(mib for where, mib in mine.items() if self.scope.allows(where)) > self.engine.threshold_mib:
+                return True
+        return False
 
     def _memory_free(self):
         self._sync_targets()
         if self.missing:
             return False
         if self.own_only:
+            if self._scope_still_holds():
+                return False
             return targets_free(self.snapshot(), self.scope) and not self.missing
         free = all(self.engine.is_free(self.engine.memory(index)) for index in self.targets)
         return free and not self.engine.stale_listing()
@@ -1102,7 +1130,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
               "lock_acquired_at": None,
               "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
               "collateral": [], "jobs": [], "linked": [], "nvml_stale": [], "unknown_gpus": [], "restart_plan": [],
-              "per_container": [], "found_units": [], "view": engine.view,
+              "per_container": [], "found_units": [], "reads": {"fast": 0, "full": 0}, "view": engine.view,
               "scope": None if releaser.scope is None else {"containers": sorted(int(c) for c in releaser.scope.containers),
                                                             "host_processes": releaser.scope.host_processes}}
 
@@ -1127,6 +1155,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         result["per_container"] = sorted(per_container(before, after, releaser, refused) + skipped_entries(skipped)
                                          + refused_entries(refused), key=lambda entry: entry["vmid"])
         result["found_units"] = releaser.found_units
+        result["reads"] = dict(releaser.reads)
         for skip in releaser.skipped:
             result["diagnosis"].append("pid %d (%s) holds a targeted GPU but was not signalled: %s"
                                        % (skip["pid"], skip["name"], skip["reason"]))

@@ -548,6 +548,14 @@ per_container:
                       "free": true, "rung": "sigterm", "signals": ["SIGTERM 4388 (python3)"]}],
             "found_units": [], "stopped": [],
             "actions": [{"pid": 4388, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}], "not_signalled": []}]
+reads:
+  description:
+    - How the GPUs were read while the release waited. C(full) counts full reads (NVML and a walk of C(/proc));
+      C(fast) counts polls that read NVML alone (with O(shared_gpu=own) on a node, between full reads at most 1 s
+      apart). A fast poll only tells that the scope still holds a GPU, never that it is free.
+  returned: always
+  type: dict
+  sample: {"fast": 24, "full": 4}
 found_units:
   description:
     - With O(stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd) or

@@ -133,6 +133,11 @@ gpus:
           C(lxc.mount.entry)) passes this GPU in usable (not C(deny-write); a bound device only where the raw cgroup
           rules allow rw), read as the gpuops.fleet.proxmox_gpu inventory reads it; null where the configs cannot be
           read.
+        - A passed device is the GPU its device number says (the node device's C(st_rdev)), never its name. A
+          container with a process read here also counts when its own C(/dev) (read through that process's root)
+          holds this GPU's device number under any name; a difference between its C(/dev) and its config (a GPU its
+          config does not pass in, one it passes in that is not there, a device whose name is not its number) is a
+          line of RV(diagnosis).
       type: list
       elements: int
       returned: on a node or host

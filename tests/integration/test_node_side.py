@@ -384,3 +384,16 @@ def test_the_node_path_installs_psutil_and_nvidia_ml_py_on_the_node_as_in_a_cont
         assert not re.search(INSTALLED, again.stdout), "imports checked first: nothing to install"
     finally:
         shutil.rmtree(root, ignore_errors=True)
+
+
+def test_polls_from_the_node_read_nvml_alone_between_full_reads(clean):
+    """Issue 20: with shared_gpu own, a poll between full reads reads NVML alone (no /proc walk); a full read comes
+    at most 1 s apart, and only a full read says free. A holder that ignores SIGTERM keeps the scope holding for
+    term_timeout (3 s): most polls of that wait are the cheap ones."""
+    stubborn = clean.run("term_ignoring", 101, [0], mib=300)
+    play = clean.play("pve1", "gpu_release", dict(FAST, term_timeout=3, containers=[101], shared_gpu="own"))
+    assert not play.failed, play
+    assert [a["signal"] for a in play["actions"] if a["outcome"] == "sent"] == ["SIGTERM", "SIGKILL"], play["actions"]
+    reads = play["reads"]
+    assert reads["fast"] >= 5 and reads["full"] < reads["fast"], reads
+    assert clean.used(0) == 0 and not host_alive(stubborn["holders"][0])

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from _labfixture import clean_role_lab, module_lab
-from _rolelab import REPO, RoleLab, alive, wave_includes
+from _rolelab import REPO, RoleLab, alive, wait_until, wave_includes
 
 LAB_ID = os.environ.get("PLAYBOOK_TEST_LAB_ID", "playtest")
 
@@ -38,6 +38,22 @@ def test_gpu_status_reports_the_fleet_and_changes_nothing(clean):
     assert lab.gpus()[("101", 1)] == 384
 
 
+def test_gpu_status_reads_each_node_once_for_its_containers(clean):
+    """Issue 20: with release_gpus_from auto (the default), gpu_status.yml reads each node once; each container
+    still has its lines: the GPUs its config passes in, numbered as on the node, holders with their container."""
+    lab = clean
+    holder = lab.run("plain", 101, [1], 384)
+    result = lab.playbook("gpu_status.yml", {"release_gpus_from": "auto"})
+    assert result.rc == 0 and len(result.recap) == 6 and result.changed() == 0, result
+    reads = result.output.split("Node view | Read each node's GPUs once")[1].split("TASK [")[0]
+    assert sorted(re.findall(r"^ok: \[ct\d+ -> (pve\d)", reads, re.M)) == ["pve1", "pve2"], result
+    assert re.search(r"ct101\s+GPU 1 .*used\s+384 MiB\s+BUSY holders %d \(container 101\)" % holder["node_holders"][0],
+                     result.output), result     # the node's pid: the lab's nodes have pid namespaces of their own
+    for host, gpus in (("ct101", (0, 1)), ("ct102", (2, 3)), ("ct203", (4, 5))):   # node indexes, two each
+        assert sorted(int(i) for i in re.findall(r'"%s\s+GPU (\d+) ' % host, result.output)) == list(gpus), result
+    assert alive(holder["holders"][0]) and lab.gpus()[("101", 1)] == 384
+
+
 def predeploy_lines(output):
     """The PREDEPLOY lines, as the README's deploy script greps them."""
     return re.findall(r'^ *"(PREDEPLOY [^"]*)', output, re.M)
@@ -59,6 +75,28 @@ def test_predeploy_check_fails_naming_the_busy_container_and_gpu(clean):
         % (uuid_of(lab, 102, 0), holder["container_holders"][0])], result
     assert alive(holder["holders"][0]), "predeploy_check must not release unless asked"
     assert lab.gpus()[("102", 0)] == 512
+
+
+def test_predeploy_check_reads_each_node_once_and_still_counts_containers(clean):
+    """Issue 20: with release_gpus_from auto (the default), each node is read once for its containers; the verdict
+    is still per container (its GPUs by device number from its config), and the count is in containers."""
+    lab = clean
+    holder = lab.run("plain", 102, [0], 512)
+    result = lab.playbook("predeploy_check.yml", {"release_gpus_from": "auto", "predeploy_expect_hosts": 6})
+    assert result.rc == 2 and result.failed_hosts() == ["ct102"], (predeploy_lines(result.output), result)
+    node_reads = re.findall(r"^ok: \[(ct\d+) -> (pve\d)", result.output.split("Read each node's GPUs once")[1].split("TASK [")[0],
+                            re.M)
+    assert sorted(node for dummy, node in node_reads) == ["pve1", "pve2"], result     # one read per node
+    assert predeploy_lines(result.output) == [
+        "PREDEPLOY FAIL: GPUs at fault: 1",
+        "PREDEPLOY FAULT ct102: GPU 2 (%s): 512 MiB used, holders %d (container 102)"
+        % (uuid_of(lab, 102, 0), holder["node_holders"][0])], result
+    assert alive(holder["holders"][0]), "predeploy_check must not release unless asked"
+    os.kill(holder["holders"][0], 9)
+    wait_until(lambda: lab.gpus()[("102", 0)] == 0, 30, "GPU 0 of ct102 to be freed")
+    wait = lab.playbook("predeploy_check.yml", {"release_gpus_from": "auto", "predeploy_expect_hosts": 6})
+    assert wait.rc == 0 and predeploy_lines(wait.output) == [
+        "PREDEPLOY OK: every targeted GPU is free on 6 containers"], wait
 
 
 def test_predeploy_check_passes_on_free_gpus(clean):

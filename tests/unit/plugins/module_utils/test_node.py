@@ -88,6 +88,49 @@ def test_by_container_charges_a_dead_pid_to_the_one_container_pinned_by_its_memo
     assert node.by_container(procs, 3072, [child, twin], index=4) == {"unattributed": 3072}
 
 
+def _chardev(path, minor, major=195):
+    os.mknod(str(path), stat.S_IFCHR | 0o600, os.makedev(major, minor))
+
+
+def test_a_passed_device_is_the_gpu_its_device_number_says_not_its_name(tmp_path):
+    """Proxmox lets /dev/nvidia3 be bound in as dev/nvidia0: the node's device is read by st_rdev."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    _chardev(dev / "nvidia0", 3)        # named 0, is minor 3
+    _chardev(dev / "nvidia1", 1)
+    _chardev(dev / "nvidiactl", 255)
+    parsed = node.parse_pve_conf("dev0: /dev/nvidia0\ndev1: /dev/nvidia1\ndev2: /dev/nvidiactl\n"
+                                 "dev3: /dev/nvidia5\n")    # nvidia5 is not there: its name is all there is
+    resolved = node.resolve_devices(parsed, dev_root=str(tmp_path))
+    assert resolved["minors"] == [1, 3, 5]
+    assert [(d["minor"], d.get("name_minor")) for d in resolved["devices"]] == [(3, 0), (1, None), (5, None)]
+    assert node.device_minor(str(dev / "nvidiactl"), 7) is None          # a device, but not a GPU
+
+
+def test_a_containers_dev_is_read_by_device_number_and_checked_against_its_config(tmp_path):
+    real, lab = tmp_path / "real", tmp_path / "lab"
+    real.mkdir()
+    lab.mkdir()
+    _chardev(real / "nvidia0", 3)
+    _chardev(real / "nvidia-uvm", 0, major=508)
+    _chardev(real / "nvidiactl", 255)
+    (real / "null").write_text("")
+    (lab / "nvidia0").write_text("")     # the lab's stand-in: not a device, nothing to check
+    _chardev(real / "nvidia3", 3)
+    assert node.dev_minors(str(real)) == {3: ["nvidia0", "nvidia3"]}
+    assert node.dev_minors(str(lab)) is None and node.dev_minors(str(tmp_path / "none")) is None
+    confs = {"101": {"minors": [3]}, "102": {"minors": [2]}, "103": {"minors": [4]}}
+    seen = {"101": {3: ["nvidia0", "nvidia3"]}, "102": {0: ["nvidia0"]}, "103": None}
+    held, lines = node.check_devices(confs, seen)
+    assert held == {"101": [3], "102": [0]}
+    assert lines == [
+        "container 101: nvidia0 is minor 3 by its device number: names are not GPUs, its GPUs are read by number",
+        "container 102: its /dev holds GPU minor 0 (nvidia0), which its config does not pass in; it is counted as "
+        "that container's",
+        "container 102: its config passes in GPU minor 2, but its /dev holds no such device (a bind that failed, or "
+        "a config changed since it started: restart it to apply)"]
+
+
 def test_scope_allows_its_containers_and_host_processes_only_when_asked():
     scope = node.Scope([101], host_processes=False)
     assert scope.reason({"container": "101"}) is None

@@ -89,9 +89,10 @@ def check_libraries(module, more=()):
     is missing on the target. Read-only gpu_status needs nothing but nvidia-ml-py."""
     for found, package, import_name, error in more:
         if not found:
-            module.fail_json(msg=missing_lib_message(package, import_name), exception=repr(error))
+            module.fail_json(msg=missing_lib_message(package, import_name), missing_library=package, exception=repr(error))
     if not HAS_PYNVML:
-        module.fail_json(msg=missing_lib_message("nvidia-ml-py", "pynvml"), exception=repr(PYNVML_IMPORT_ERROR))
+        module.fail_json(msg=missing_lib_message("nvidia-ml-py", "pynvml"), missing_library="nvidia-ml-py",
+                         exception=repr(PYNVML_IMPORT_ERROR))
 
 
 def engine_from_params(params, patterns):

@@ -324,6 +324,11 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+missing_library:
+  description: On a host where psutil or nvidia-ml-py does not import, the package to install (the task fails).
+  returned: when a library is missing
+  type: str
+  sample: nvidia-ml-py
 changed:
   description: Whether a signal was sent or a GPU was reset (in check mode, whether any would be signalled).
   returned: always

@@ -91,6 +91,11 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+missing_library:
+  description: On a host where psutil or nvidia-ml-py does not import, the package to install (the task fails).
+  returned: when a library is missing
+  type: str
+  sample: nvidia-ml-py
 all_free:
   description: Whether every selected GPU uses at most O(threshold_mib) beyond its reserved floor (NVML v2 C(used)).
   returned: success

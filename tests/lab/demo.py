@@ -227,7 +227,7 @@ def main():
                     vmid, node, "%d/%d" % (index, minor), workloads[vmid][0] if index in WORKLOAD_GPUS[vmid] else "-",
                     used_before, used_after, rung, how))
         say("  (GPU: index in the container / minor on the node; MiB beyond the 615 MiB reserved floor;"
-            " pids as the container sees them)")
+            " pids as the node sees them: one task per node did the work)")
 
         step("5. Run it again: nothing left to do, so nothing may change")
         log2 = os.path.join(work, "run2.log")

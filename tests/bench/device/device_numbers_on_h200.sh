@@ -14,16 +14,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../../.." || exit 2
 OUT=${OUT:-$PWD/.cache/devnumbers}
 mkdir -p "$OUT"
-export LC_ALL=C.UTF-8 LANG=C.UTF-8 PYTHONUNBUFFERED=1
 VMID=129
 SITE=$PWD/.cache/dn-site
-rm -rf "$SITE"
-python3 -m pip install -q --no-index --no-deps --target "$SITE" .cache/mgpu-wheels/*.whl || exit 2
-mkdir -p "$SITE/ansible_collections/gpuops" && ln -sfn "$PWD" "$SITE/ansible_collections/gpuops/fleet"
-export PYTHONPATH=$SITE ANSIBLE_COLLECTIONS_PATH=$SITE ANSIBLE_NOCOLOR=1
-LXC=(python3 .cache/real-lxc/real_lxc_gpu.py)
-run() { timeout 200 python3 -c 'import sys; from ansible.cli.adhoc import main; sys.argv[0]="ansible"; main()' \
-    localhost -c local -e ansible_python_interpreter="$(command -v python3)" "$@"; }
+# shellcheck source=tests/bench/device/real_lxc_site.sh
+source tests/bench/device/real_lxc_site.sh
 # shellcheck disable=SC2317  # called by the EXIT trap
 cleanup() {
     pkill -9 -f gpuops_dn_holder 2>/dev/null
@@ -32,12 +26,12 @@ cleanup() {
 trap cleanup EXIT
 
 {
-    "${LXC[@]}" up .cache/real-lxc/debs $VMID 2>&1 | tail -2 || exit 3
-    "${LXC[@]}" attach $VMID -- mknod -m 666 /dev/nvidia5 c 195 0
-    echo "container /dev: $("${LXC[@]}" attach $VMID -- ls -l /dev/nvidia0 /dev/nvidia5 | tr -s ' ' | tr '\n' ';')"
-    "${LXC[@]}" attach $VMID -- /bin/sh -c "python3 -c 'import time, torch; x = torch.empty(6 << 30, dtype=torch.uint8, device=\"cuda:0\"); print(\"ready\", flush=True); time.sleep(400)' gpuops_dn_holder > /run/dn-holder.log 2>&1 &"
+    "${LXC[@]}" up .cache/real-lxc/debs "$VMID" 2>&1 | tail -2 || exit 3
+    "${LXC[@]}" attach "$VMID" -- mknod -m 666 /dev/nvidia5 c 195 0
+    echo "container /dev: $("${LXC[@]}" attach "$VMID" -- ls -l /dev/nvidia0 /dev/nvidia5 | tr -s ' ' | tr '\n' ';')"
+    "${LXC[@]}" attach "$VMID" -- /bin/sh -c "python3 -c 'import time, torch; x = torch.empty(6 << 30, dtype=torch.uint8, device=\"cuda:0\"); print(\"ready\", flush=True); time.sleep(400)' gpuops_dn_holder > /run/dn-holder.log 2>&1 &"
     for _ in $(seq 120); do
-        "${LXC[@]}" attach $VMID -- cat /run/dn-holder.log 2>/dev/null | grep -q ready && break
+        "${LXC[@]}" attach "$VMID" -- cat /run/dn-holder.log 2>/dev/null | grep -q ready && break
         sleep 1
     done
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader

@@ -15,16 +15,10 @@ set -uo pipefail
 cd "$(dirname "$0")/../../.." || exit 2
 OUT=${OUT:-$PWD/.cache/nodepath}
 mkdir -p "$OUT"
-export LC_ALL=C.UTF-8 LANG=C.UTF-8 PYTHONUNBUFFERED=1
 VMID=129
-SITE=$PWD/.cache/np-site          # under the repository: the container sees the host's root, not its /tmp
-rm -rf "$SITE"
-python3 -m pip install -q --no-index --no-deps --target "$SITE" .cache/mgpu-wheels/*.whl || exit 2
-mkdir -p "$SITE/ansible_collections/gpuops" && ln -sfn "$PWD" "$SITE/ansible_collections/gpuops/fleet"
-export PYTHONPATH=$SITE ANSIBLE_COLLECTIONS_PATH=$SITE ANSIBLE_NOCOLOR=1
-LXC=(python3 .cache/real-lxc/real_lxc_gpu.py)
-run() { timeout 200 python3 -c 'import sys; from ansible.cli.adhoc import main; sys.argv[0]="ansible"; main()' \
-    localhost -c local -e ansible_python_interpreter="$(command -v python3)" "$@"; }
+SITE=$PWD/.cache/np-site
+# shellcheck source=tests/bench/device/real_lxc_site.sh
+source tests/bench/device/real_lxc_site.sh
 node_holder=
 # shellcheck disable=SC2317  # called by the EXIT trap
 cleanup() {
@@ -36,7 +30,7 @@ cleanup() {
 trap cleanup EXIT
 
 {
-    "${LXC[@]}" up .cache/real-lxc/debs $VMID 2>&1 | tail -2 || exit 3
+    "${LXC[@]}" up .cache/real-lxc/debs "$VMID" 2>&1 | tail -2 || exit 3
     # the container's supervisorctl (its root is the host's; lxc-attach --clear-env gives it a plain PATH)
     printf '#!/bin/sh\nPYTHONPATH=%s exec /usr/bin/python3 %s/bin/supervisorctl "$@"\n' "$SITE" "$SITE" > /usr/local/bin/supervisorctl
     chmod 755 /usr/local/bin/supervisorctl
@@ -60,15 +54,15 @@ stopwaitsecs=10
 stdout_logfile=/run/np-holder.log
 redirect_stderr=true
 EOF
-    "${LXC[@]}" attach $VMID -- /bin/sh -c "PYTHONPATH=$SITE:\$PYTHONPATH $SITE/bin/supervisord -c $conf"
+    "${LXC[@]}" attach "$VMID" -- /bin/sh -c "PYTHONPATH=$SITE:\$PYTHONPATH $SITE/bin/supervisord -c $conf"
     # a holder of the node itself, outside the container: never in scope
     timeout 400 python3 -c 'import time, torch; x = torch.empty(4 << 30, dtype=torch.uint8, device="cuda:0"); print("ready", flush=True); time.sleep(400)' gpuops_np_holder_node > "$OUT/node-holder.log" 2>&1 &
     node_holder=$!
     for _ in $(seq 120); do
-        grep -q ready "$OUT/node-holder.log" && "${LXC[@]}" attach $VMID -- cat /run/np-holder.log 2>/dev/null | grep -q ready && break
+        grep -q ready "$OUT/node-holder.log" && "${LXC[@]}" attach "$VMID" -- cat /run/np-holder.log 2>/dev/null | grep -q ready && break
         sleep 1
     done
-    echo "supervisorctl in $VMID: $("${LXC[@]}" attach $VMID -- supervisorctl -c "$conf" status)"
+    echo "supervisorctl in $VMID: $("${LXC[@]}" attach "$VMID" -- supervisorctl -c "$conf" status)"
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
     args='{"containers": [129], "stop_found_units": true, "shared_gpu": "own", "match": "gpuops_np_holder", "gpus": ["0"], "term_timeout": 5, "kill_timeout": 5, "verify_timeout": 20}'
     for step in check release again; do
@@ -85,11 +79,11 @@ print("   not_signalled", [(s["pid"], s["name"], s["reason"][:70]) for s in r.ge
 print("   after", [(g["index"], g["used_mib"], g.get("by_container"), g.get("free_for_scope")) for g in r.get("after") or []])
 PY
         cp "$OUT/tree-$step/localhost" "$OUT/$step.json" 2>/dev/null
-        echo "   supervisorctl: $("${LXC[@]}" attach $VMID -- supervisorctl -c "$conf" status 2>&1 | tr -s ' ')"
+        echo "   supervisorctl: $("${LXC[@]}" attach "$VMID" -- supervisorctl -c "$conf" status 2>&1 | tr -s ' ')"
         echo "   node holder alive: $(kill -0 $node_holder 2>/dev/null && echo yes || echo no)"
     done
     sleep 5
-    echo "after 5 s: supervisorctl: $("${LXC[@]}" attach $VMID -- supervisorctl -c "$conf" status 2>&1 | tr -s ' ')"
+    echo "after 5 s: supervisorctl: $("${LXC[@]}" attach "$VMID" -- supervisorctl -c "$conf" status 2>&1 | tr -s ' ')"
     nvidia-smi --query-compute-apps=pid,used_memory --format=csv,noheader
 } 2>&1 | tee "$OUT/node-path.log"
 exit 0

@@ -67,7 +67,10 @@ def rows_of(doc):
 
 def test_lab_backend_every_row_passes(lab_id, tmp_path):
     out = tmp_path / "facts-lab.json"
-    proc = run_facts(["--backend", "lab", "--lab-id", lab_id, "--json", str(out)])
+    # --grace-ms: how long the fake driver lags behind a reap on a loaded 2-core machine is not the fact rehearsed
+    # here (row 6 read 268 ms against the default 250 ms in CI, with fuser holding the dying holder's mm); the
+    # driver's own timing is test_lab_driver.py's
+    proc = run_facts(["--backend", "lab", "--lab-id", lab_id, "--json", str(out), "--grace-ms", "2000"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
     for n in range(1, 22):
         assert "row %d PASS" % n in proc.stdout

@@ -12,10 +12,12 @@ import math
 import os
 import pwd
 import sys
+import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
 from ansible_collections.gpuops.fleet.plugins.module_utils._jobs import find_jobs
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
     HAS_PYNVML, PYNVML_IMPORT_ERROR, Nvml, NvmlFailure,
@@ -100,6 +102,12 @@ def engine_from_params(params, patterns):
     nvml = Nvml(timeout=params["nvml_timeout"], reserved_floor_mib=params.get("reserved_floor_mib"))
     return Engine(nvml, redact_patterns=patterns, with_cmdline=params["cmdline"],
                   threshold_mib=params["threshold_mib"])
+
+
+def fmt_bytes(count):
+    if count >= 1024 * 1024:
+        return fmt_mib(count // (1024 * 1024))
+    return "%d KiB" % -(-count // 1024)
 
 
 def fmt_mib(mib):
@@ -202,6 +210,10 @@ class Engine(object):
         self._ticks = _clock_ticks()
         self._btime = _boot_time(proc_root)
         self._minor_cache = {}
+        self._scan_now = None    # the snapshot's scan, while it is being read
+        self._devs_of = {}       # vmid -> dev_minors of its /dev, read once
+        self.shm_prefixes = None  # (prefix, stack) pairs: read /dev/shm for residue (gpu_status); None: not read
+        self.shm_dir = "/dev/shm"
         self._unknown_minors = set()
         self.rank_deaths = {}   # set by the releaser: {index: [{"pid", "mib", "survivors"}]} seen this run
         self.generation = None  # NVML's generation when the GPUs were listed
@@ -243,7 +255,8 @@ class Engine(object):
     def scan(self):
         """Scan /proc, leaving out this process and its children (its ancestors are scanned, never signalled)."""
         skip = set([self.self_pid])
-        result = procscan.scan(self.proc_root, self.devices, skip)
+        result = procscan.scan(self.proc_root, self.devices, skip, cgroups=not self.in_container,
+                               shm=self.shm_prefixes is not None)
         cache = {}
         for pid in list(result.entries):
             if procscan.is_descendant(pid, self.self_pid, self.proc_root, cache):
@@ -292,11 +305,8 @@ class Engine(object):
         counts, blocked = procscan.thread_details(pid, self.proc_root)
         argv = self.cmdline_of(entry)
         parent = procscan.read_stat(entry.ppid, self.proc_root) if entry.ppid else None
-        cgroup = None
-        try:
-            cgroup = procscan.parse_cgroup(procscan.read_text("%s/%d/cgroup" % (self.proc_root, pid)))
-        except OSError:
-            pass
+        table = self._scan_now
+        cgroup = table.cgroups[pid] if table is not None and pid in table.cgroups else procscan.read_cgroup(pid, self.proc_root)
         root = "%s/%d/root" % (self.proc_root, entry.table_tid if entry.defunct_leader else pid)
         map_lines = {}
         for path, lines in entry.map_counts.items():
@@ -424,7 +434,8 @@ class Engine(object):
         # GPUs described by NVML but whose calls failed are unknown too (their minor is known)
         self._unknown_minors = set(g["minor"] for g in self.gpus
                                    if g.get("minor") is not None and views[g["index"]]["procs"] is None)
-        scan = self.scan()
+        started = time.time()
+        scan = self._scan_now = self.scan()
         own_tree = self.own_tree_skip()
         minor_index = self.minor_to_index()
         records = dict((pid, self.details(entry, minor_index)) for pid, entry in scan.entries.items())
@@ -469,7 +480,8 @@ class Engine(object):
                 view = views[gpu_report["index"]]
                 gpu_report["by_container"] = node.by_container(
                     view["procs"], view["used_mib"], holders, self.proc_root,
-                    stale=set(e["pid"] for e in stale if e["gpu"] == gpu_report["index"]), index=gpu_report["index"])
+                    stale=set(e["pid"] for e in stale if e["gpu"] == gpu_report["index"]), index=gpu_report["index"],
+                    table=scan)
                 passed = node.passed_into(confs, gpu_report["minor"])
                 if passed is not None:
                     passed = sorted(set(passed) | set(int(v) for v, minors in in_dev.items()
@@ -481,17 +493,39 @@ class Engine(object):
         report.nvml_stale, report.linked = stale, linked
         report.unknown_gpus = self._unknown(holders)
         report.unreadable = self.unreadable(scan, gpu_reports)
+        if self.shm_prefixes is not None:
+            report.shm_residue, report.shm_residue_by_container = self._shm_residue(scan, started)
         report.diagnosis = device_findings + diagnose(report)
         return report
 
+    def _shm_residue(self, scan, started):
+        """(residue in this host's /dev/shm, {vmid: residue in its /dev/shm} from the node, else None)."""
+        used = {}
+        for pid, paths in scan.shm_paths.items():
+            where = node.container_of_pid(pid, self.proc_root, scan) if self.view == "node" else node.HOST
+            used.setdefault(where, set()).update(n for n in (shm.used_name(p) for p in paths) if n)
+
+        def read(shm_dir, where):
+            return shm.residue(shm.list_dir(shm_dir), used.get(where, set()), started, self.shm_dir, self.shm_prefixes)
+        here = read(self.shm_dir, node.HOST)
+        if self.view != "node":
+            return here, None
+        inits = node.container_inits(self.proc_root, scan)
+        return here, dict((vmid, read("%s/%d/root%s" % (self.proc_root, init, self.shm_dir), vmid))
+                          for vmid, init in sorted(inits.items(), key=lambda i: int(i[0])))
+
     def _container_devs(self, records):
-        """{vmid: dev_minors of its /dev} of each container with a process read here, through its lowest pid's root."""
+        """{vmid: dev_minors of its /dev} of each container with a process read here, through its lowest pid's root
+        (read once per task)."""
         first = {}
         for record in records:
             vmid = record.get("container")
             if vmid and vmid not in (node.HOST, node.UNATTRIBUTED) and record["pid"] < first.get(vmid, record["pid"] + 1):
                 first[vmid] = record["pid"]
-        return dict((vmid, node.dev_minors("%s/%d/root/dev" % (self.proc_root, pid))) for vmid, pid in first.items())
+        for vmid, pid in first.items():
+            if vmid not in self._devs_of:      # once per task: a running container's /dev does not move
+                self._devs_of[vmid] = node.dev_minors("%s/%d/root/dev" % (self.proc_root, pid))
+        return dict((vmid, self._devs_of[vmid]) for vmid in first)
 
     def _unknown(self, holders):
         """GPUs NVML cannot describe, by minor: those its calls fail on, and nodes holders map that it does not list."""
@@ -592,6 +626,7 @@ class Report(object):
         self.nvml_stale, self.linked, self.unknown_gpus = [], [], []
         self.protected_holders = []
         self.unreadable = []
+        self.shm_residue = self.shm_residue_by_container = None
 
     @property
     def all_free(self):
@@ -621,7 +656,7 @@ class Report(object):
             if "shares_mib" in out:
                 out["shares_mib"] = dict((str(k), v) for k, v in sorted(out["shares_mib"].items()))
             return out
-        return {
+        out = {
             "gpus": self.gpus,
             "holders": [clean(h) for h in self.holders],
             "protected_holders": [clean(h) for h in self.protected_holders],
@@ -641,6 +676,11 @@ class Report(object):
             "unreadable": self.unreadable,
             "diagnosis": self.diagnosis,
         }
+        if self.shm_residue is not None:
+            out["shm_residue"] = self.shm_residue
+        if self.shm_residue_by_container is not None:
+            out["shm_residue_by_container"] = self.shm_residue_by_container
+        return out
 
 
 def _pname(record):
@@ -816,4 +856,19 @@ def diagnose(report):
     if report.scan.unreadable:
         lines.append("%d processes could not be read (%s); a holder among them would not be shown"
                      % (len(report.scan.unreadable), ", ".join(str(p) for p in report.scan.unreadable[:10])))
+    places = [(None, report.shm_residue)] + sorted((report.shm_residue_by_container or {}).items(), key=lambda i: int(i[0]))
+    for vmid, found in places:
+        if found:
+            lines.append(shm_line(vmid, found))
     return lines
+
+
+def shm_line(vmid, found):
+    """One sentence on the shared-memory residue of one /dev/shm."""
+    stacks = sorted(set(e["owner"] for e in found))
+    paths = [e["path"] for e in found]
+    return ("%s/dev/shm holds %d GPU stack file%s no live process uses (%s of %s: %s%s): leaked by dead processes, "
+            "they can make the next launch fail; remove them before it" % (
+                "container %s: " % vmid if vmid else "", len(found), "" if len(found) == 1 else "s",
+                fmt_bytes(sum(e["bytes"] for e in found)), ", ".join(stacks),
+                ", ".join(paths[:5]), ", ..." if len(paths) > 5 else ""))

@@ -41,11 +41,16 @@ def inner_cgroup(path):
     return (match.group(2) or "/") if match else None
 
 
-def container_of_pid(pid, proc_root="/proc"):
-    """The vmid of a live pid, HOST when it is in no container, None when it cannot be read."""
-    try:
-        path = procscan.parse_cgroup(procscan.read_text("%s/%d/cgroup" % (proc_root, pid)))
-    except OSError:
+def container_of_pid(pid, proc_root="/proc", table=None):
+    """The vmid of a live pid, HOST when it is in no container, None when it cannot be read.
+
+    table: a scan with cgroups, whose reading is used for the pids it read (the same snapshot).
+    """
+    if table is not None and pid in table.cgroups:
+        path = table.cgroups[pid]
+    else:
+        path = procscan.read_cgroup(pid, proc_root)
+    if path is None:
         return None
     return container_of_cgroup(path) or HOST
 
@@ -93,10 +98,7 @@ def device_minor(path, by_name):
         st = os.stat(path)
     except OSError:
         return by_name
-    if not stat_mod.S_ISCHR(st.st_mode):
-        return by_name
-    major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-    return minor if major == procscan.NVIDIA_MAJOR and minor < 254 else None
+    return procscan.rdev_gpu_minor(st) if stat_mod.S_ISCHR(st.st_mode) else by_name
 
 
 def resolve_devices(parsed, dev_root="/"):
@@ -125,8 +127,8 @@ def dev_minors(dev_dir):
         except OSError:
             continue
         if stat_mod.S_ISCHR(st.st_mode):
-            major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-            if major == procscan.NVIDIA_MAJOR and minor < 254:
+            minor = procscan.rdev_gpu_minor(st)
+            if minor is not None:
                 out.setdefault(minor, []).append(name)
         elif re.match(r"^nvidia\d+$", name) and stat_mod.S_ISREG(st.st_mode):
             return None
@@ -226,7 +228,7 @@ def read_ha_resources(path=PVE_HA_RESOURCES):
 
 
 # ---- the node's view of NVML memory, by container
-def by_container(procs, used_mib, holders, proc_root="/proc", stale=(), index=None):
+def by_container(procs, used_mib, holders, proc_root="/proc", stale=(), index=None, table=None):
     """MiB per container of one GPU (index) from NVML's node view; the values add up to used_mib.
 
     A pid NVML names but /proc no longer has (a dead parent whose fork child keeps the
@@ -249,7 +251,7 @@ def by_container(procs, used_mib, holders, proc_root="/proc", stale=(), index=No
     for proc in procs or ():
         mib = proc.get("used_mib") or 0
         listed += mib
-        gone = None if proc["pid"] in stale else container_of_pid(proc["pid"], proc_root)
+        gone = None if proc["pid"] in stale else container_of_pid(proc["pid"], proc_root, table)
         where = (known.get(proc["pid"]) or gone or heirs.get(proc["pid"])
                  or (orphan_heir if proc["pid"] not in stale else None) or UNATTRIBUTED)
         out[where] = out.get(where, 0) + mib
@@ -297,10 +299,18 @@ class Scope(object):
         return " and ".join(parts) or "nothing"
 
 
-def container_inits(proc_root="/proc"):
-    """{vmid: pid of its init}, from the processes whose NSpid is (node pid, 1) in an lxc/VMID/ns cgroup."""
+def container_inits(proc_root="/proc", table=None):
+    """{vmid: pid of its init}, from the processes whose NSpid is (node pid, 1) in an lxc/VMID/ns cgroup.
+
+    With a table (a scan with cgroups), only the processes whose parent is outside their container are read.
+    """
     out = {}
-    for name in os.listdir(proc_root):
+    if table is not None and table.cgroups:
+        names = [str(pid) for pid, path in table.cgroups.items() if container_of_cgroup(path)
+                 and container_of_cgroup(table.cgroups.get(table.stats[pid]["ppid"])) != container_of_cgroup(path)]
+    else:
+        names = os.listdir(proc_root)
+    for name in names:
         if not name.isdigit():
             continue
         try:
@@ -310,7 +320,7 @@ def container_inits(proc_root="/proc"):
         nspid = status.get("nspid") or []
         if len(nspid) != 2 or nspid[1] != 1:
             continue
-        vmid = container_of_pid(int(name), proc_root)
+        vmid = container_of_pid(int(name), proc_root, table)
         if vmid and vmid != HOST:
             out[vmid] = int(name)
     return out
@@ -421,14 +431,16 @@ def try_flock(fd):
         return False
 
 
-def processes_by_container(proc_root="/proc"):
-    """{vmid: [{pid, container_pid, name}]} of every process in a container, in one walk of /proc."""
+def processes_by_container(proc_root="/proc", table=None):
+    """{vmid: [{pid, container_pid, name}]} of every process in a container, in one walk of /proc (the
+    table's, a scan with cgroups, when given)."""
     out = {}
-    for name in os.listdir(proc_root):
+    names = [str(pid) for pid in sorted(table.cgroups)] if table is not None and table.cgroups else os.listdir(proc_root)
+    for name in names:
         if not name.isdigit():
             continue
         pid = int(name)
-        vmid = container_of_pid(pid, proc_root)
+        vmid = container_of_pid(pid, proc_root, table)
         if vmid in (None, HOST):
             continue
         try:

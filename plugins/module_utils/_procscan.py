@@ -24,39 +24,96 @@ DELETED = " (deleted)"
 PF_KTHREAD = 0x00200000  # /proc/PID/stat flags: a kernel thread (an empty maps file does not say so)
 NVIDIA_MAJOR = 195       # /dev/nvidiaN is 195:N; 254 is nvidia-modeset, 255 nvidiactl
 SOCKET_PREFIX = "socket:["
+SHM_DIR = "/dev/shm/"
+SHM_MARKER = SHM_DIR.encode()
 
 
 READ_TIMEOUT_S = 3.0
 # Reads that take the target's memory-map lock (maps, and cmdline/environ through its memory): a process stuck in
 # the kernel can hold that lock, or make readers queue behind it, forever, and no signal ends the read.
 MM_LOCK_READ_RE = re.compile(r"/(\d+)/(?:task/\d+/)?(?:maps|cmdline|environ)$")
-_HEADER = struct.Struct("<IiI")  # request id, errno (0: read), length of the data that follows
+_HEADER = struct.Struct("<IiII")  # request id, errno (0: read), size (bytes, or fd entries), length of the data
+WHOLE, KEEP_LINES, FD_TARGETS = "R", "M", "F"
+BATCH = 128   # processes per batch of a scan: its requests stay well below a pipe's 64 KiB
 
-# Runs in the reader process: "ID PATH" per line on stdin, a header and the data (or the errno) on stdout.
+# Runs in the reader process: "ID OP KEEP PATH" per line on stdin (KEEP: markers joined by NUL, in hex, or -),
+# a header and the data (or the errno) per request on stdout. R: the file; M: its lines that hold a marker;
+# F: the targets of an fd directory's links that start with a marker or socket:[, NUL-separated. An OP ending
+# in "." ends a batch, whose answers are flushed then; a read that has taken over 50 ms has the answers before
+# it flushed by a watchdog thread, so a missing answer is always the one being read.
 READER_SOURCE = r"""
-import os, struct, sys
-header = struct.Struct("<IiI")
+import os, struct, sys, threading, time
+header = struct.Struct("<IiII")
 out = sys.stdout.buffer
-for line in sys.stdin.buffer:
-    request, dummy, path = line.rstrip(b"\n").partition(b" ")
-    request = int(request)
+reading_since = [0.0]
+def watchdog():
+    while True:
+        time.sleep(0.05)
+        since = reading_since[0]
+        if since and time.monotonic() - since > 0.05:
+            out.flush()
+threading.Thread(target=watchdog, daemon=True).start()
+def whole(path):
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            chunks = []
-            while True:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-        finally:
-            os.close(fd)
-        data = b"".join(chunks)
-        out.write(header.pack(request, 0, len(data)) + data)
+        chunks = []
+        while True:
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                return b"".join(chunks)
+            chunks.append(chunk)
+    finally:
+        os.close(fd)
+def fd_targets(path, keep):
+    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        names = os.listdir(path)
+        kept = []
+        readlink = os.readlink
+        for name in names:
+            try:
+                target = readlink(name, dir_fd=dir_fd)
+            except OSError:
+                continue
+            if target.startswith(keep) or target.startswith(b"socket:["):
+                kept.append(target)
+        return len(names), b"\0".join(kept)
+    finally:
+        os.close(dir_fd)
+keeps = {b"-": None}
+for line in sys.stdin.buffer:
+    request, op, keep, path = line[:-1].split(b" ", 3)
+    if keep not in keeps:
+        keeps[keep] = tuple(bytes.fromhex(keep.decode()).split(b"\0"))
+    keep = keeps[keep]
+    reading_since[0] = time.monotonic()
+    try:
+        if op[:1] == b"F":
+            size, data = fd_targets(path, keep)
+        else:
+            data = whole(path)
+            size = len(data)
+            if op[:1] == b"M":
+                if any(k in data for k in keep):
+                    data = b"\n".join(l for l in data.split(b"\n") if any(k in l for k in keep))
+                else:
+                    data = b""
+        code = 0
     except OSError as exc:
-        out.write(header.pack(request, exc.errno or 5, 0))
-    out.flush()
+        code, size, data = exc.errno or 5, 0, b""
+    reading_since[0] = 0.0
+    out.write(header.pack(int(request), code, size, len(data)))
+    out.write(data)
+    if op.endswith(b"."):
+        out.flush()
 """
+
+
+def _keep_arg(keep):
+    """A request's KEEP: the hex of its markers (bytes, or a tuple of bytes) joined by NUL, or - for none."""
+    if not keep:
+        return b"-"
+    return (b"\0".join(keep) if isinstance(keep, tuple) else keep).hex().encode()
 
 
 class ReadBlocked(OSError):
@@ -90,103 +147,152 @@ class _HelperFailed(Exception):
         self.reason = reason
 
 
-class BoundedReader(object):
-    """Reads files that may block in the kernel in a helper process, waiting at most `timeout` per process.
+class _Lane(object):
+    """One reader process, used by one caller at a time."""
 
-    The helper holds none of this process's files (not Ansible's pipes, not the GPU locks). When a read
-    does not answer in time the helper is SIGKILLed and abandoned (it dies once the read returns), the pid
-    is recorded in `blocked` with its state and wchan, and later reads of that pid fail at once.
+    def __init__(self):
+        self.proc = None
+        self.lock = threading.Lock()
+        self.buffer = b""   # answers read ahead, from pos on
+        self.pos = 0
+
+
+class BoundedReader(object):
+    """Reads files that may block in the kernel in helper processes, waiting at most `timeout` per file.
+
+    A helper holds none of this process's files (not Ansible's pipes, not the GPU locks). Requests go in
+    batches; each answer must come within `timeout` of the one before. When one does not, its helper is
+    SIGKILLed and abandoned (it dies once the read returns), the pid is recorded in `blocked` with its
+    state and wchan, later reads of that pid fail at once, and the rest of the batch goes to a new helper.
+    `lanes` helpers serve that many callers at once (a scan's threads); lane 0 serves single reads.
     """
 
-    def __init__(self, timeout=READ_TIMEOUT_S):
+    def __init__(self, timeout=READ_TIMEOUT_S, lanes=4):
         self.timeout = timeout
         self.blocked = {}        # (proc_root, pid) -> {pid, starttime, path, reason, state, wchan, blocked_threads}
-        self._proc = None
-        self._lock = threading.Lock()
+        self.lanes = [_Lane() for dummy in range(max(1, lanes))]
         self.started = 0
         self.requests = 0       # request ids: an answer names the request it answers
+        self._ids = threading.Lock()
 
-    def _start(self):
-        self._proc = helperproc.spawn(READER_SOURCE, python_flags=["-S"])
-        self.started += 1
-
-    def _abandon(self):
-        proc, self._proc = self._proc, None
+    def _abandon(self, lane):
+        proc, lane.proc = lane.proc, None
+        lane.buffer, lane.pos = b"", 0
         if proc is not None:
             helperproc.abandon(proc)
 
     def close(self):
-        with self._lock:
-            self._abandon()
+        for lane in self.lanes:
+            with lane.lock:
+                self._abandon(lane)
 
-    def _exactly(self, count, end):
-        fd = self._proc.stdout.fileno()
-        data = b""
-        while len(data) < count:
-            left = end - time.monotonic()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, min(count - len(data), 1 << 20))
-            if not chunk:
-                raise OSError(errno.EIO, "the /proc reader process exited")
-            data += chunk
-        return data
+    @staticmethod
+    def _mm_key(path):
+        found = MM_LOCK_READ_RE.search(path)
+        return (path[:found.start()], int(found.group(1))) if found else None
 
     def read(self, path):
-        """The file's bytes, read by the helper within `timeout`. A helper that dies or breaks its pipe is
-        replaced once; a second failure is an OSError (EIO): the read is never done unbounded here."""
-        found = MM_LOCK_READ_RE.search(path)
-        key = (path[:found.start()], int(found.group(1))) if found else None
-        if key in self.blocked:
-            raise ReadBlocked(path, key[1])
-        with self._lock:
-            for attempt in (1, 2):
-                try:
-                    data = self._ask(path)
-                except _HelperFailed as exc:
-                    if attempt == 2:
-                        raise OSError(errno.EIO, "the /proc reader process failed twice (%s)" % exc.reason)
-                    continue
-                if data is not None:
-                    return data
-                break
-        if key is not None:
-            self.blocked[key] = blocked_info(key[1], key[0], path, self.timeout)
-        raise ReadBlocked(path, key[1] if key else None)
+        """The file's bytes, read by a helper within `timeout`; ReadBlocked when that wait ran out, OSError
+        (EIO) when two helpers in a row failed before answering: the read is never done unbounded here."""
+        answer = self.read_many([(WHOLE, path, None)])[0]
+        if isinstance(answer, OSError):
+            raise answer  # pylint: disable=raising-bad-type
+        return answer[1]
 
-    def _ask(self, path):
-        """The helper's answer (bytes), or None when it did not come within timeout; an errno answer is
-        raised as OSError. A helper without a whole answer is abandoned, whatever ended the wait."""
-        if self._proc is None:
-            self._start()
-        answered = False
-        self.requests = request = (self.requests + 1) & 0xFFFFFFFF
-        try:
-            self._proc.stdin.write(b"%d " % request + path.encode() + b"\n")
-            self._proc.stdin.flush()
-            end = time.monotonic() + self.timeout
-            while True:
-                head = self._exactly(_HEADER.size, end)
-                if head is None:
-                    return None
-                answer_to, code, length = _HEADER.unpack(head)
-                data = self._exactly(length, end) if length else b""
-                if data is None:
-                    return None
-                if answer_to == request:
+    def read_many(self, requests, lane=0):
+        """[(size, data) or the OSError] for each (op, path, keep) request, in order, through one lane."""
+        out = [None] * len(requests)
+        todo = []
+        for index, (dummy, path, dummy2) in enumerate(requests):
+            key = self._mm_key(path)
+            if key in self.blocked:
+                out[index] = ReadBlocked(path, key[1])
+            else:
+                todo.append(index)
+        lane = self.lanes[lane % len(self.lanes)]
+        with lane.lock:
+            failed_in_a_row = 0
+            while todo:
+                try:
+                    answered, blocked = self._ask(lane, [requests[i] for i in todo])
+                    failure = None
+                except _HelperFailed as exc:
+                    answered, blocked, failure = exc.answered, False, exc
+                for index, answer in zip(todo, answered):
+                    out[index] = answer
+                failed_in_a_row = 0 if answered else failed_in_a_row + (failure is not None)
+                todo = todo[len(answered):]
+                if failure is not None and failed_in_a_row >= 2:
+                    for index in todo:
+                        out[index] = OSError(errno.EIO, "the /proc reader process failed twice (%s)" % failure.reason)
                     break
-                # an answer to an earlier request whose caller gave up: never this one's
-            answered = True
-        except (OSError, ValueError) as exc:
-            raise _HelperFailed(str(exc))
-        finally:
-            # A timeout, or anything raised between the request and its whole answer (a signal
-            # handler's exception, say): the answer may still come, so this helper never serves again.
-            if not answered:
-                self._abandon()
-        if code:
-            raise OSError(code, os.strerror(code), path)
+                if blocked:
+                    path = requests[todo[0]][1]
+                    key = self._mm_key(path)
+                    if key is not None:
+                        self.blocked[key] = blocked_info(key[1], key[0], path, self.timeout)
+                    out[todo[0]] = ReadBlocked(path, key[1] if key else None)
+                    todo = todo[1:]
+        return out
+
+    def _exactly(self, lane, count, end):
+        """count bytes of the lane's answers (read ahead in big chunks), or None when end passes first."""
+        while len(lane.buffer) - lane.pos < count:
+            left = end - time.monotonic()
+            fd = lane.proc.stdout.fileno()
+            if left <= 0 or not select.select([fd], [], [], left)[0]:
+                return None
+            chunk = os.read(fd, max(count, 1 << 16))
+            if not chunk:
+                raise OSError(errno.EIO, "the /proc reader process exited")
+            lane.buffer = lane.buffer[lane.pos:] + chunk
+            lane.pos = 0
+        data = lane.buffer[lane.pos:lane.pos + count]
+        lane.pos += count
         return data
+
+    def _ask(self, lane, requests):
+        """(answers of the first requests, in order, True when the next one did not come within timeout).
+        An errno answer is an OSError in the list. A helper without every answer is abandoned, whatever
+        ended the wait; _HelperFailed (with .answered) when it died or broke its pipe."""
+        if lane.proc is None:
+            lane.proc = helperproc.spawn(READER_SOURCE, python_flags=["-S"])
+            self.started += 1
+        with self._ids:
+            first = self.requests + 1
+            self.requests += len(requests)
+        ids = [(first + n) & 0xFFFFFFFF for n in range(len(requests))]
+        answered = []
+        try:
+            lane.proc.stdin.write(b"".join(
+                b"%d %s%s %s %s\n" % (ids[n], op.encode(), b"." if n == len(requests) - 1 else b"",
+                                      _keep_arg(keep), path.encode())
+                for n, (op, path, keep) in enumerate(requests)))
+            lane.proc.stdin.flush()
+            end = time.monotonic() + self.timeout
+            while len(answered) < len(requests):
+                head = self._exactly(lane, _HEADER.size, end)
+                if head is None:
+                    return answered, True
+                answer_to, code, size, length = _HEADER.unpack(head)
+                data = self._exactly(lane, length, end) if length else b""
+                if data is None:
+                    return answered, True
+                if answer_to != ids[len(answered)]:
+                    continue  # an answer to an earlier request whose caller gave up: never this one's
+                path = requests[len(answered)][1]
+                answered.append(OSError(code, os.strerror(code), path) if code else (size, data))
+                end = time.monotonic() + self.timeout
+        except (OSError, ValueError) as exc:
+            failed = _HelperFailed(str(exc))
+            failed.answered = answered
+            raise failed
+        finally:
+            # A timeout, or anything raised between a request and its whole answer (a signal handler's
+            # exception, say): an answer may still come, so this helper never serves again.
+            if len(answered) < len(requests):
+                self._abandon(lane)
+        return answered, False
 
     def blocked_in(self, proc_root):
         """Blocked processes under proc_root that still exist (same start time), by pid."""
@@ -354,10 +460,13 @@ def gpu_minor(path, devices, root="/"):
         st = os.stat(os.path.join(root, devices.strip(path).lstrip("/")))
     except OSError:
         return kind[1]
-    if stat_mod.S_ISCHR(st.st_mode):
-        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-        return minor if major == NVIDIA_MAJOR and minor < 254 else None
-    return kind[1]
+    return rdev_gpu_minor(st) if stat_mod.S_ISCHR(st.st_mode) else kind[1]
+
+
+def rdev_gpu_minor(st):
+    """N of a character device's st_rdev 195:N when it is a GPU (N < 254), else None."""
+    major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+    return minor if major == NVIDIA_MAJOR and minor < 254 else None
 
 
 def parse_tcp_table(text):
@@ -434,6 +543,22 @@ class ScanResult(object):
         self.unreadable = []     # pids whose tables could not be read
         self.blocked = []        # blocked_info() of those whose maps read did not finish in time, with fd_devices
         self.scanned = 0
+        # the walk, shared by what else reads every process in the same snapshot (attribution, restart plan)
+        self.stats = {}          # pid -> parse_stat() of every process read
+        self.cgroups = {}        # pid -> cgroup path (None: unreadable), when the scan was asked for them
+        self.shm_paths = {}      # pid -> /dev/shm paths it has open or mapped, when the scan was asked for them
+
+
+def _fd_devices(names, devices):
+    """(device paths, socket link targets) among fd link targets."""
+    found = set()
+    sockets = []
+    for target in names:
+        if target.startswith(SOCKET_PREFIX):
+            sockets.append(target)
+        elif devices.classify(target):
+            found.add(devices.strip(target))
+    return sorted(found), sockets
 
 
 def _read_fd_devices(fd_dir, devices):
@@ -444,8 +569,7 @@ def _read_fd_devices(fd_dir, devices):
         if exc.errno in _GONE:
             return None
         raise
-    found = set()
-    sockets = []
+    targets = []
     marker = devices.marker.decode()
     readlink = os.readlink
     try:
@@ -454,14 +578,11 @@ def _read_fd_devices(fd_dir, devices):
                 target = readlink(name, dir_fd=dir_fd)
             except OSError:
                 continue
-            if target.startswith(marker):
-                if devices.classify(target):
-                    found.add(devices.strip(target))
-            elif target.startswith(SOCKET_PREFIX):
-                sockets.append(target)
+            if target.startswith(marker) or target.startswith(SOCKET_PREFIX):
+                targets.append(target)
     finally:
         os.close(dir_fd)
-    return sorted(found), sockets
+    return _fd_devices(targets, devices)
 
 
 def live_thread(proc_root, pid):
@@ -483,25 +604,27 @@ def live_thread(proc_root, pid):
     return None
 
 
-def scan(proc_root="/proc", devices=None, skip_pids=(), workers=None):
+def scan(proc_root="/proc", devices=None, skip_pids=(), workers=None, cgroups=False, shm=False):
     """Scan every process once; return a ScanResult.
 
-    Reads /proc/PID/maps and /proc/PID/fd of each process. For a defunct
-    leader (state Z, more than one thread) it reads one live thread's tables
-    instead, since threads share them (GPU_FACTS row 4). The reads are system
-    calls that release the GIL, so a few threads share the work on big hosts.
+    Reads /proc/PID/maps (its device lines only) and /proc/PID/fd of each process through READER, in
+    batches, with the bounded wait. For a defunct leader (state Z, more than one thread) it reads one
+    live thread's tables instead, since threads share them (GPU_FACTS row 4). On big hosts a few
+    threads, each with its own reader process, share the work. Every process's stat (and with
+    cgroups, its cgroup path) is kept in the result for the rest of the snapshot. With shm, the /dev/shm
+    files each process has open or mapped are kept too (shm_paths).
     """
     devices = devices or DeviceNames()
     skip = set(skip_pids)
     pids = [int(name) for name in os.listdir(proc_root) if name.isdigit() and int(name) not in skip]
     if workers is None:
-        workers = min(4, os.cpu_count() or 1) if len(pids) > 500 else 1
+        workers = min(len(READER.lanes), os.cpu_count() or 1) if len(pids) > 500 else 1
     result = ScanResult()
     if workers <= 1:
-        _scan_pids(proc_root, devices, pids, result)
+        _scan_pids(proc_root, devices, pids, result, 0, cgroups, shm)
         return result
     parts = [ScanResult() for dummy in range(workers)]
-    threads = [threading.Thread(target=_scan_pids, args=(proc_root, devices, pids[i::workers], parts[i]))
+    threads = [threading.Thread(target=_scan_pids, args=(proc_root, devices, pids[i::workers], parts[i], i, cgroups, shm))
                for i in range(workers)]
     for thread in threads:
         thread.start()
@@ -513,6 +636,9 @@ def scan(proc_root="/proc", devices=None, skip_pids=(), workers=None):
         result.unreadable.extend(part.unreadable)
         result.blocked.extend(part.blocked)
         result.scanned += part.scanned
+        result.stats.update(part.stats)
+        result.cgroups.update(part.cgroups)
+        result.shm_paths.update(part.shm_paths)
     result.zombies.sort(key=lambda z: z["pid"])
     result.unreadable.sort()
     result.blocked.sort(key=lambda b: b["pid"])
@@ -526,85 +652,110 @@ def scan_pids(proc_root, devices, pids):
     return result
 
 
-def _scan_pids(proc_root, devices, pids, result):
-    marker = devices.marker
-    for pid in pids:
-        name = str(pid)
-        result.scanned += 1
-        base = "%s/%s" % (proc_root, name)
-        # identity: the start time read before the tables, and checked again after them
-        try:
-            stat = parse_stat(read_text(base + "/stat"))
-        except (OSError, ValueError, IndexError):
-            continue
-        try:
-            maps = read_bytes(base + "/maps")
-        except ReadBlocked:
-            _add_blocked(result, proc_root, devices, pid, base + "/fd")
-            continue
-        except OSError as exc:
-            if exc.errno in _GONE:
+def _scan_pids(proc_root, devices, pids, result, lane=0, cgroups=False, shm=False):
+    """Each batch: the stats read here (identity, kernel threads left out), then the maps and fd tables
+    through one reader lane, then each process decided (and its start time checked again)."""
+    marker = (devices.marker, SHM_MARKER) if shm else devices.marker
+    for first in range(0, len(pids), BATCH):
+        batch = []
+        for pid in pids[first:first + BATCH]:
+            result.scanned += 1
+            stat = read_stat(pid, proc_root)
+            if stat is None:
                 continue
-            maps = None
-        table_base = base
-        table_tid = pid
-        defunct = False
-        if not maps:
-            # kernel thread, zombie, defunct leader or unreadable; read again, since the leader may have just exited
+            result.stats[pid] = stat
+            if cgroups:
+                result.cgroups[pid] = read_cgroup(pid, proc_root)
+            if not stat["flags"] & PF_KTHREAD:
+                batch.append((pid, stat))
+        requests = []
+        for pid, dummy in batch:
+            base = "%s/%d" % (proc_root, pid)
+            requests += [(KEEP_LINES, base + "/maps", marker), (FD_TARGETS, base + "/fd", marker)]
+        answers = READER.read_many(requests, lane)
+        for n, (pid, stat) in enumerate(batch):
+            _take(proc_root, devices, pid, stat, answers[2 * n], answers[2 * n + 1], result)
+
+
+def _fd_read(answer, devices, shm_paths):
+    """(device paths, socket targets) from an fd answer, adding /dev/shm targets to shm_paths; None when
+    the process is gone; () when unreadable."""
+    if isinstance(answer, OSError):
+        return None if answer.errno in _GONE else ()
+    targets = [os.fsdecode(t) for t in answer[1].split(b"\0")] if answer[1] else []
+    shm_paths.update(t for t in targets if t.startswith(SHM_DIR))
+    return _fd_devices(targets, devices)
+
+
+def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result):
+    """Add pid to result from its maps and fd answers: (size, kept data) or the OSError."""
+    if isinstance(maps_answer, ReadBlocked):
+        _add_blocked(result, proc_root, devices, pid, "%s/%d/fd" % (proc_root, pid))
+        return
+    if isinstance(maps_answer, OSError):
+        if maps_answer.errno in _GONE:
+            return
+        size, maps = 0, None
+    else:
+        size, maps = maps_answer
+    table_tid = pid
+    defunct = False
+    if not size:
+        # a zombie, a defunct leader, one exiting, or unreadable; read again, since the leader may have just exited
+        stat = read_stat(pid, proc_root)
+        if stat is None:
+            return
+        if stat["state"] == "Z":
+            if stat["num_threads"] <= 1:
+                result.zombies.append({"pid": pid, "ppid": stat["ppid"], "comm": stat["comm"]})
+                return
+            tid = live_thread(proc_root, pid)
+            if tid is None:
+                return
+            defunct, table_tid = True, tid
+            table_base = "%s/%d/task/%d" % (proc_root, pid, tid)
             try:
-                stat = parse_stat(read_text(base + "/stat"))
-            except (OSError, ValueError, IndexError):
-                continue
-            if stat["state"] == "Z":
-                if stat["num_threads"] <= 1:
-                    result.zombies.append({"pid": pid, "ppid": stat["ppid"], "comm": stat["comm"]})
-                    continue
-                tid = live_thread(proc_root, pid)
-                if tid is None:
-                    continue
-                defunct = True
-                table_tid = tid
-                table_base = "%s/task/%d" % (base, tid)
-                try:
-                    maps = read_bytes(table_base + "/maps")
-                except ReadBlocked:
-                    _add_blocked(result, proc_root, devices, pid, table_base + "/fd")
-                    continue
-                except OSError:
-                    maps = None
-            elif maps is None:
-                result.unreadable.append(pid)
-            elif stat["flags"] & PF_KTHREAD:
-                continue
-            # else a user process without mappings (one exiting, say): its open files still count
-        map_counts = parse_maps_counts(maps, devices) if maps and marker in maps else {}
-        mapped = sorted(map_counts)
-        sockets = []
-        try:
-            fd_read = _read_fd_devices(table_base + "/fd", devices)
-        except OSError:
-            fd_read = ([], [])
-            if pid not in result.unreadable:
-                result.unreadable.append(pid)
-        if fd_read is None:
-            continue
-        fds, sockets = fd_read
-        if not mapped and not fds:
-            continue
-        if not same_process(pid, stat["starttime"], proc_root):
-            continue  # gone, or the pid was reused while its tables were read
-        entry = ProcEntry(pid, stat)
-        entry.fd_devices = fds
-        entry.map_devices = mapped
-        entry.map_counts = map_counts
-        entry.sockets = [int(s[len(SOCKET_PREFIX):-1]) for s in sockets if s.endswith("]")]
-        entry.table_tid = table_tid
-        entry.defunct_leader = defunct
-        if defunct:
-            entry.via = ["task"]
-        else:
-            entry.via = ([u"fd"] if fds else []) + ([u"mmap"] if mapped else [])
-        result.entries[pid] = entry
+                maps = READER.read(table_base + "/maps")
+            except ReadBlocked:
+                _add_blocked(result, proc_root, devices, pid, table_base + "/fd")
+                return
+            except OSError:
+                maps = None
+            fd_answer = READER.read_many([(FD_TARGETS, table_base + "/fd", devices.marker)])[0]
+        elif maps is None:
+            result.unreadable.append(pid)
+        # else a user process without mappings (one exiting, say): its open files still count
+    shm_paths = set()
+    if maps and SHM_MARKER in maps:
+        for line in maps.decode("utf-8", "replace").splitlines():
+            parts = line.split(None, 5)
+            if len(parts) == 6 and parts[5].startswith(SHM_DIR):
+                shm_paths.add(parts[5])
+    fd_read = _fd_read(fd_answer, devices, shm_paths)
+    if fd_read is None:
+        return
+    if shm_paths:
+        result.shm_paths[pid] = shm_paths
+    if not fd_read:
+        fd_read = ([], [])
+        if pid not in result.unreadable:
+            result.unreadable.append(pid)
+    fds, sockets = fd_read
+    map_counts = parse_maps_counts(maps, devices) if maps else {}
+    mapped = sorted(map_counts)
+    if not mapped and not fds:
+        return
+    if not same_process(pid, stat["starttime"], proc_root):
+        return  # gone, or the pid was reused while its tables were read
+    entry = ProcEntry(pid, stat)
+    entry.fd_devices = fds
+    entry.map_devices = mapped
+    entry.map_counts = map_counts
+    entry.sockets = [int(s[len(SOCKET_PREFIX):-1]) for s in sockets if s.endswith("]")]
+    entry.table_tid = table_tid
+    entry.defunct_leader = defunct
+    entry.via = ["task"] if defunct else ([u"fd"] if fds else []) + ([u"mmap"] if mapped else [])
+    result.entries[pid] = entry
 
 
 def _add_blocked(result, proc_root, devices, pid, fd_dir):
@@ -624,6 +775,14 @@ def read_stat(pid, proc_root="/proc"):
     try:
         return parse_stat(read_text("%s/%d/stat" % (proc_root, pid)))
     except (OSError, ValueError, IndexError):
+        return None
+
+
+def read_cgroup(pid, proc_root="/proc"):
+    """parse_cgroup of a live pid, or None when it cannot be read."""
+    try:
+        return parse_cgroup(_direct_read("%s/%d/cgroup" % (proc_root, pid)).decode("utf-8", "replace"))
+    except OSError:
         return None
 
 

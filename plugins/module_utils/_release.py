@@ -43,6 +43,7 @@ RUNGS = ("none", "sigterm", "sigkill", "wait", "container_restart", "reset")
 POLL_S = 0.075
 FULL_READ_EVERY_S = 1.0  # shared_gpu: own polls read NVML alone in between (_scope_still_holds)
 GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wait for its memory
+UNIT_WORDS = {"systemd": "unit", "supervisord": "supervisord program", "docker": "docker container"}
 RESPAWN_WINDOW_S = 3.0   # how long to watch the parents of killed holders after the verdict
 RESPAWN_STARTING_S = 6.0  # longer while a new child of theirs is still starting (maps nothing yet)
 HEIR_ROUNDS = 3          # re-reads after the signals, for holders pinned only once their parent is dead
@@ -618,7 +619,7 @@ class Releaser(object):
             outcome = ("done: %s" % done["text"]) if done["ok"] else ("failed: %s" % done["text"])
             by_key[(entry["vmid"], entry["kind"], entry["name"])]["outcome"] = outcome
             action = {"time": round(time.time() - (self.now() - when), 3), "elapsed_s": round(when - self.started, 3),
-                      "pid": 0, "name": "%s %s" % ("unit" if entry["kind"] == "systemd" else "supervisord program",
+                      "pid": 0, "name": "%s %s" % (UNIT_WORDS.get(entry["kind"], entry["kind"]),
                                                    entry["name"]),
                       "vmid": entry["vmid"], "signal": "stop", "outcome": outcome}
             self.actions.append(action)
@@ -628,7 +629,7 @@ class Releaser(object):
     def _restart_plan(self, report):
         """Per scoped container holding a targeted GPU: every process and every GPU a restart would stop."""
         targets = set(self.targets)
-        members = node.processes_by_container(self.proc_root)
+        members = node.processes_by_container(self.proc_root, report.scan)
         out = []
         for vmid in sorted(self.scope.containers, key=int):
             holders = [h for h in report.holders if h.get("container") == vmid]

@@ -4,8 +4,10 @@
 
 A holder's cgroup names its systemd unit inside the container (lxc/VMID/ns/system.slice/NAME.service).
 A supervisord program's processes run under supervisord with SUPERVISOR_PROCESS_NAME and
-SUPERVISOR_GROUP_NAME in their environment (supervisord sets them). The stop runs inside the container
-through its own manager, with lxc-attach: no Perl start-up per call, as pct exec would cost.
+SUPERVISOR_GROUP_NAME in their environment (supervisord sets them). A docker container's processes (docker
+inside LXC) are in its cgroup (system.slice/docker-ID.scope with systemd's driver, docker/ID with cgroupfs)
+and run under its containerd shim (`containerd-shim-runc-v2 -namespace moby -id ID`). The stop runs inside
+the container through its own manager, with lxc-attach: no Perl start-up per call, as pct exec would cost.
 No AnsibleModule here.
 """
 
@@ -23,6 +25,25 @@ CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 # names passed to the container's manager (argv, no shell): a unit may carry systemd's \x escapes
 _UNIT_RE = re.compile(r"^[A-Za-z0-9:_.@\\-]+$")
 _PROGRAM_RE = re.compile(r"^[A-Za-z0-9:_.@-]+$")
+_DOCKER_CGROUP_RE = re.compile(r"(?:/docker-([0-9a-f]{64})\.scope|/docker/([0-9a-f]{64}))(?:/|$)")
+_DOCKER_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+SHIM_PREFIX = "containerd-shim"   # comm of containerd-shim-runc-v2 (15 characters kept)
+
+
+def docker_shim_id(pid, proc_root):
+    """The docker container id a containerd shim runs (`-namespace moby -id ID`), or None."""
+    try:
+        argv = [a.decode("utf-8", "replace") for a in procscan.read_bytes("%s/%d/cmdline" % (proc_root, pid)).split(b"\0")]
+    except OSError:
+        return None
+    options = dict(zip(argv, argv[1:]))
+    found = options.get("-id")
+    return found if options.get("-namespace") == "moby" and found and _DOCKER_ID_RE.match(found) else None
+
+
+def _docker(vmid, container_id, evidence):
+    return {"vmid": int(vmid), "kind": "docker", "name": container_id[:12], "argv": ["docker", "stop", container_id],
+            "evidence": evidence}
 
 
 def supervisord_config(pid, proc_root):
@@ -41,7 +62,8 @@ def supervisord_config(pid, proc_root):
 
 def find(record, proc_root="/proc"):
     """What would start record's process again inside its container: a dict, or None (not found, or not a
-    container process). Keys: vmid, kind (systemd, supervisord), name, argv (run inside the container), evidence."""
+    container process). Keys: vmid, kind (systemd, docker, supervisord), name, argv (run inside the container),
+    evidence. A docker container comes before a supervisord that runs inside it."""
     vmid = record.get("container")
     if not vmid or vmid in (node.HOST, node.UNATTRIBUTED):
         return None
@@ -50,9 +72,18 @@ def find(record, proc_root="/proc"):
     if unit and _UNIT_RE.match(unit):
         return {"vmid": int(vmid), "kind": "systemd", "name": unit, "argv": ["systemctl", "stop", unit],
                 "evidence": "its cgroup in the container is %s" % inner}
+    docker = _DOCKER_CGROUP_RE.search(inner or "")
+    if docker:
+        return _docker(vmid, docker.group(1) or docker.group(2), "its cgroup in the container is %s" % inner)
     chain = [record["pid"]] + procscan.ancestors(record["pid"], proc_root)
-    for pid, parent_pid in zip(chain, chain[1:]):
-        parent = procscan.read_stat(parent_pid, proc_root)
+    parents = [(pid, parent_pid, procscan.read_stat(parent_pid, proc_root)) for pid, parent_pid in zip(chain, chain[1:])]
+    for pid, parent_pid, parent in parents:   # a docker container's own supervisord is stopped with its container
+        if parent is not None and parent["comm"].startswith(SHIM_PREFIX):
+            container_id = docker_shim_id(parent_pid, proc_root)
+            if container_id:
+                return _docker(vmid, container_id, "pid %d runs under containerd-shim (pid %d on the node) as docker "
+                                                   "container %s" % (pid, parent_pid, container_id[:12]))
+    for pid, parent_pid, parent in parents:
         if parent is None or parent["comm"] != "supervisord":
             continue
         env = procscan.read_environ(pid, proc_root, ("SUPERVISOR_PROCESS_NAME", "SUPERVISOR_GROUP_NAME"))

@@ -212,8 +212,10 @@ options:
       - RV(found_units) lists each unit with the pids it runs and the outcome of its stop; in check mode, what would
         be stopped. Each stop is also an action (C(signal) is C(stop)). The GPUs are read again after the stops, and
         the ladder runs on what is left.
-      - Docker inside LXC is not found this way (its containers are not units); stop them with the role's
-        C(release_gpus_docker_containers).
+      - A docker container inside the LXC container (docker inside LXC) is found from the holder's cgroup
+        (C(system.slice/docker-ID.scope) or C(docker/ID)) or from an ancestor C(containerd-shim) of docker's
+        C(moby) namespace, and stopped with C(docker stop ID) inside the container; it comes before a supervisord
+        that runs inside it. The lab cannot run docker, so this path is unit-tested only.
     type: bool
     default: false
   stop_timeout:
@@ -563,8 +565,9 @@ reads:
   sample: {"fast": 24, "full": 4}
 found_units:
   description:
-    - With O(stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd) or
-      C(supervisord), C(name), C(pids), C(evidence)) and, once tried, C(outcome) (C(done...) or C(failed...)).
+    - With O(stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd),
+      C(docker) or C(supervisord), C(name), C(pids), C(evidence)) and, once tried, C(outcome) (C(done...) or
+      C(failed...)).
   returned: always
   type: list
   elements: dict

@@ -48,7 +48,24 @@ attributes:
   platform:
     support: full
     platforms: posix
-options: {}
+options:
+  shm_residue:
+    description:
+      - Read C(/dev/shm) for GPU stacks' shared-memory residue (RV(shm_residue)); from a Proxmox node, each running
+        container's too, through its init's root (RV(shm_residue_by_container)).
+      - Residue is a file (a segment, or a POSIX semaphore C(sem.NAME)) whose name has a GPU stack's prefix (C(nccl-),
+        C(sgl_), C(torch_), C(vllm), C(psm_), and O(shm_prefixes)), that no live process of the same C(/dev/shm) has
+        open or mapped, and that was last changed before the check started. Anything else is never residue.
+      - Leaked segments of dead processes make the next launch of an inference server fail, even on a free GPU.
+    type: bool
+    default: true
+  shm_prefixes:
+    description:
+      - More name prefixes that mark a C(/dev/shm) file as a GPU stack's, beside the built-in ones. Each is a file
+        name's start, without C(/).
+    type: list
+    elements: str
+    default: []
 seealso:
   - module: gpuops.fleet.gpu_release
 """
@@ -490,6 +507,21 @@ nvml_stale:
   type: list
   elements: dict
   sample: [{"gpu": 0, "pid": 560, "used_mib": 32768, "why": "pid 560 here has no context on GPU 0"}]
+shm_residue:
+  description:
+    - With O(shm_residue), the GPU stacks' shared-memory residue in this host's C(/dev/shm) (on a node, the node's
+      own), each with C(path), C(bytes) and C(owner) (the stack its prefix names).
+  returned: when O(shm_residue) is true
+  type: list
+  elements: dict
+  sample: [{"path": "/dev/shm/nccl-Xk3a9Q", "bytes": 9437184, "owner": "nccl"}]
+shm_residue_by_container:
+  description:
+    - From a Proxmox node with O(shm_residue), each running container's residue in its own C(/dev/shm) (as
+      RV(shm_residue), paths as the container sees them), by vmid.
+  returned: when O(shm_residue) is true and the module runs on a Proxmox node
+  type: dict
+  sample: {"101": [{"path": "/dev/shm/sgl_shm_2f1c", "bytes": 4096, "owner": "sglang"}], "102": []}
 unknown_gpus:
   description:
     - GPUs NVML cannot describe (lost, or its calls fail), by C(minor), with their NVML C(index) when known and the
@@ -521,6 +553,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
     GPU_COMMON_ARGS, check_common_params, check_libraries, engine_from_params, no_gpu_message,
 )
+from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
 
@@ -545,10 +578,17 @@ def start_engine(module, patterns):
 
 
 def main():
-    module = AnsibleModule(argument_spec=dict(GPU_COMMON_ARGS), supports_check_mode=True)
+    module = AnsibleModule(argument_spec=dict(GPU_COMMON_ARGS, shm_residue=dict(type="bool", default=True),
+                                              shm_prefixes=dict(type="list", elements="str", default=[])),
+                           supports_check_mode=True)
     patterns = check_common_params(module)
+    for prefix in module.params["shm_prefixes"]:
+        if not prefix or "/" in prefix or "\0" in prefix:
+            module.fail_json(msg="shm_prefixes: each must be a file name's start, without /, got %r" % prefix)
     check_libraries(module)
     engine, targets = start_engine(module, patterns)
+    if module.params["shm_residue"]:
+        engine.shm_prefixes = shm.prefixes_with(module.params["shm_prefixes"])
     try:
         report = engine.snapshot(targets)
     except Exception as exc:

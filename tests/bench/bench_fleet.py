@@ -50,8 +50,8 @@ def children_cpu():
     return usage.ru_utime + usage.ru_stime
 
 
-def playbook(lab, path, limit, extra=()):
-    cmd = [os.path.join(REPO, ".venv", "bin", "ansible-playbook"), "-i", lab.inventory, path, "--forks", "24"]
+def playbook(lab, path, limit, extra=(), forks=24):
+    cmd = [os.path.join(REPO, ".venv", "bin", "ansible-playbook"), "-i", lab.inventory, path, "--forks", str(forks)]
     cmd += list(extra) + (["--limit", limit] if limit else [])
     cpu, start = children_cpu(), time.monotonic()
     proc = subprocess.run(cmd, cwd=REPO, env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

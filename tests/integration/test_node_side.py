@@ -397,3 +397,50 @@ def test_polls_from_the_node_read_nvml_alone_between_full_reads(clean):
     reads = play["reads"]
     assert reads["fast"] >= 5 and reads["full"] < reads["fast"], reads
     assert clean.used(0) == 0 and not host_alive(stubborn["holders"][0])
+
+
+SHM_USER = ("import mmap, os, sys, time\n"
+            "fd = os.open('/dev/shm/sgl_live', os.O_RDWR | os.O_CREAT, 0o600)\n"
+            "os.ftruncate(fd, 4096)\n"
+            "m = mmap.mmap(fd, 4096)\n"
+            "os.close(fd)\n"
+            "time.sleep(300)\n")
+SHM_FILES = ("import os, time\n"
+             "for name in ('nccl-leak', 'PostgreSQL.1'):\n"
+             "    with open('/dev/shm/' + name, 'wb') as f:\n"
+             "        f.write(bytes(8192))\n"
+             "    os.utime('/dev/shm/' + name, (time.time() - 3600, time.time() - 3600))\n")
+
+
+def test_shm_residue_is_read_in_the_container_and_from_the_node_and_a_used_segment_is_not(clean):
+    """Issue 21: an unprivileged container's /dev/shm (its own tmpfs) holds a leaked NCCL segment, a database's
+    segment and a segment a live process maps: only the leaked one is residue, inside and from the node; once
+    its user is gone, the live one is too."""
+    assert clean.exec(102, "python3", "-c", SHM_FILES).returncode == 0
+    started = clean.exec(102, "sh", "-c", "setsid python3 -c \"$0\" gpuops_shm_user > /dev/null 2>&1 < /dev/null &", SHM_USER)
+    assert started.returncode == 0, started.stdout
+    try:
+        mapped = wait_until(lambda: "/dev/shm/sgl_live" in clean.exec(
+            102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
+        assert mapped
+        leak = {"path": "/dev/shm/nccl-leak", "bytes": 8192, "owner": "nccl"}
+        inside = clean.play("ct102", "gpu_status", {"cmdline": False})
+        assert not inside.failed and inside["shm_residue"] == [leak], inside
+        assert "shm_residue_by_container" not in inside.result
+        assert any(line.startswith("/dev/shm holds 1 GPU stack file no live process uses (8 KiB of nccl: "
+                                   "/dev/shm/nccl-leak)") for line in inside["diagnosis"]), inside["diagnosis"]
+        outside = clean.play("pve1", "gpu_status", {"cmdline": False})
+        assert not outside.failed and outside["shm_residue_by_container"]["102"] == [leak], outside
+        assert outside["shm_residue_by_container"]["101"] == []
+        assert any(line.startswith("container 102: /dev/shm holds 1 GPU stack file") for line in outside["diagnosis"])
+    finally:
+        clean.exec(102, "pkill", "-f", "gpuops_shm_user")
+    assert wait_until(lambda: "/dev/shm/sgl_live" not in clean.exec(
+        102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
+    try:
+        after = clean.play("pve1", "gpu_status", {"cmdline": False})
+        assert [e["path"] for e in after["shm_residue_by_container"]["102"]] == ["/dev/shm/nccl-leak", "/dev/shm/sgl_live"]
+        quiet = clean.play("ct102", "gpu_status", {"cmdline": False, "shm_residue": False})
+        assert "shm_residue" not in quiet.result
+    finally:
+        clean.exec(102, "sh", "-c", "rm -f /dev/shm/nccl-leak /dev/shm/PostgreSQL.1 /dev/shm/sgl_live")

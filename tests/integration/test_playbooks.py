@@ -398,11 +398,14 @@ def test_predeploy_readme_deploy_script_never_deploys_when_nothing_is_checked(tm
         assert "not deploying: GPUs busy, or nothing (or too little) checked" in proc.stderr, proc
 
 
-def test_predeploy_check_can_release_first(clean):
+@pytest.mark.parametrize("route", ["container", "auto"])
+def test_predeploy_check_can_release_first(clean, route):
+    """predeploy_release takes the route release_gpus.yml takes: from the node where the node is known (auto)."""
     lab = clean
     holder = lab.run_fork_inherit_orphan(103, 0, 256)
-    result = lab.playbook("predeploy_check.yml", {"predeploy_release": True}, limit="ct103")
+    result = lab.playbook("predeploy_check.yml", {"predeploy_release": True, "release_gpus_from": route}, limit="ct103")
     assert result.rc == 0, result
+    assert ("Node path | Release every selected container" in result.output) == (route == "auto"), result.output
     assert not alive(holder["holders"][0])
     assert lab.gpus()[("103", 0)] == 0
 
@@ -524,3 +527,28 @@ def test_gpu_status_node_view_in_the_lab(clean):
                     rows["2"]), table
     assert re.match(r"0 +GPU-\S{8} +- +0  -$", rows["0"]), table
     assert lab.gpus()[("101", 1)] == 384 and alive(ct101["holders"][0]) and alive(ct102["holders"][0])
+
+
+SHM_LEAK = ("import os, time\n"
+            "with open('/dev/shm/sgl_shm_leak', 'wb') as f:\n"
+            "    f.write(bytes(4096))\n"
+            "os.utime('/dev/shm/sgl_shm_leak', (time.time() - 600, time.time() - 600))\n")
+
+
+@pytest.mark.parametrize("route", ["container", "auto"])
+def test_predeploy_check_fails_on_shared_memory_residue_read_inside_or_from_the_node(clean, route):
+    """Issue 21: a leaked SGLang segment in ct202's /dev/shm fails the check on free GPUs, read in the container or
+    from its node; predeploy_shm_residue=false leaves it out."""
+    lab = clean
+    assert lab.exec(202, "python3", "-c", SHM_LEAK).returncode == 0
+    try:
+        result = lab.playbook("predeploy_check.yml", {"release_gpus_from": route})
+        assert result.rc == 2 and result.failed_hosts() == ["ct202"], (predeploy_lines(result.output), result)
+        assert predeploy_lines(result.output) == [
+            "PREDEPLOY FAIL: containers with shared-memory residue: 1",
+            "PREDEPLOY FAULT ct202: shared-memory residue: 1 file(s) of sglang that no live process uses, left by dead "
+            "processes: /dev/shm/sgl_shm_leak; remove them before the deploy"], result
+        quiet = lab.playbook("predeploy_check.yml", {"release_gpus_from": route, "predeploy_shm_residue": False})
+        assert quiet.rc == 0, quiet
+    finally:
+        lab.exec(202, "rm", "-f", "/dev/shm/sgl_shm_leak")

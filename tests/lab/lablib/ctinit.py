@@ -2,7 +2,7 @@
 
 LXC has built the container as Proxmox's config asks (namespaces, cgroup .../lxc/VMID/ns, autodev
 /dev with the fake NVIDIA files bound in by lxc.mount.entry, LXCFS over /proc, idmap when
-unprivileged). This init adds what the lab needs: tmpfs on /tmp and /run (and, unprivileged, on
+unprivileged). This init adds what the lab needs: tmpfs on /tmp, /run and /dev/shm (and, unprivileged, on
 /var/tmp and /root, so no write reaches the host's files; with shared_run_lock the node's /run/lock,
 which LXC bound at /run/lock, is bound back above that tmpfs), the driver socket, ld.so.cache,
 /usr/local/sbin; then runs supervisord and reaps children until SIGTERM (lxc-stop), which stops
@@ -81,6 +81,9 @@ def setup_mounts(cfg):
                       "mode=1777" if path.endswith("tmp") else "mode=755")
         _show_repo_under(path, repo_fd)
     os.close(repo_fd)
+    # The container's own /dev/shm, as its systemd mounts one in a Proxmox container (LXC's autodev /dev has none)
+    os.mkdir("/dev/shm", 0o1777)
+    sysutil.mount("tmpfs", "/dev/shm", "tmpfs", sysutil.MS_NOSUID | sysutil.MS_NODEV, "mode=1777")
     if run_lock_fd is not None:
         os.mkdir("/run/lock")
         sysutil.bind("/proc/self/fd/%d" % run_lock_fd, "/run/lock")

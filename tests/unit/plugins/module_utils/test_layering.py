@@ -10,7 +10,7 @@ PREFIX = "ansible_collections.gpuops.fleet.plugins.module_utils"
 
 LAYERS = {
     "read": ("_helperproc", "_procscan", "_nvml", "_pveconf", "_node", "_redact", "_selectors"),
-    "evidence": ("_pinning", "_jobs", "_gpu_engine"),
+    "evidence": ("_pinning", "_jobs", "_shm", "_gpu_engine"),
     "decide": ("_decide",),
     "act": ("_respawn", "_restart", "_units", "_release"),
 }

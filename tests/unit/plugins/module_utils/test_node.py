@@ -193,3 +193,22 @@ def test_rooted_lock_file_already_held_keeps_its_owner(tmp_path):
     finally:
         os.close(dir_fd)
     assert held.stat().st_uid == st.st_uid and (folder / "new.lock").stat().st_uid == 4242
+
+
+def test_inits_and_members_from_the_snapshots_scan_are_those_of_a_walk(proc):
+    """The restart plan and container attribution use the scan's walk: the same answers, fewer reads."""
+    from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+    proc.add(900, comm="lxc-start", cgroup="0::/lxc.monitor/101\n")
+    proc.add(901, comm="init", ppid=900, nspid=[901, 1], cgroup="0::/lxc/101/ns/init.scope\n")
+    proc.add(902, comm="sglang", ppid=901, nspid=[902, 40], cgroup="0::/lxc/101/ns/system.slice/sglang.service\n")
+    proc.add(910, comm="lxc-start", cgroup="0::/lxc.monitor/102\n")
+    proc.add(911, comm="init", ppid=910, nspid=[911, 1], cgroup="0::/lxc/102/ns\n")
+    proc.add(920, comm="sshd", nspid=[920], cgroup="0::/system.slice/ssh.service\n")
+    table = procscan.scan(proc.root, procscan.DeviceNames(), cgroups=True)
+    assert sorted(table.stats) == [900, 901, 902, 910, 911, 920]
+    assert node.container_inits(proc.root, table) == node.container_inits(proc.root) == {"101": 901, "102": 911}
+    walked = node.processes_by_container(proc.root)
+    assert node.processes_by_container(proc.root, table) == walked
+    assert [p["container_pid"] for p in walked["101"]] == [1, 40]
+    os.unlink(os.path.join(proc.root, "902", "cgroup"))     # read once, by the scan: not again
+    assert node.container_of_pid(902, proc.root, table) == "101" and node.container_of_pid(902, proc.root) is None

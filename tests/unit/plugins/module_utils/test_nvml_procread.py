@@ -51,9 +51,11 @@ def test_a_blocked_read_is_bounded_and_the_pid_recorded(proc, reader):
 def test_scan_reports_a_blocked_maps_read_and_never_a_client(proc, reader):
     proc.add(400, comm="python3", maps=ctx(0) + [CTL], fds=["/dev/nvidia0", CTL])
     proc.add(401, comm="stuck", state="D", maps=ctx(1), fds=["/dev/nvidia1", CTL])
+    proc.add(402, comm="python3", maps=ctx(2), fds=["/dev/nvidia2"])
     block(proc, 401, "maps")
     result = procscan.scan(proc.root, procscan.DeviceNames(), skip_pids=())
-    assert sorted(result.entries) == [400] and result.entries[400].is_holder
+    # one batch: what came before the blocked read and what came after it (a new helper) are both read
+    assert sorted(result.entries) == [400, 402] and result.entries[402].map_devices == ["/dev/nvidia2"]
     assert result.unreadable == [401]
     assert [(b["pid"], b["state"], b["fd_devices"]) for b in result.blocked] == [(401, "D", ["/dev/nvidia1", CTL])]
     assert procscan.read_bytes(os.path.join(proc.root, "400", "cmdline")) == b"python3\0"  # a new reader
@@ -75,7 +77,7 @@ def test_a_read_interrupted_before_its_answer_never_answers_the_next_read(proc, 
     late = block(proc, 600, "maps")                 # the helper waits in open() until a writer comes
     wait_for_answer = reader._exactly
 
-    def interrupted(count, end):
+    def interrupted(lane, count, end):
         raise Interrupted()
     monkeypatch.setattr(reader, "_exactly", interrupted)
     with pytest.raises(Interrupted):
@@ -98,8 +100,9 @@ def test_an_answer_to_an_earlier_request_is_skipped(proc, reader):
     proc.add(611, comm="python3", maps=ctx(1))
     assert b"/dev/nvidia0" in procscan.read_bytes(os.path.join(proc.root, "610", "maps"))
     stale = os.path.join(proc.root, "610", "maps").encode()
-    reader._proc.stdin.write(b"%d %s\n" % (reader.requests - 1, stale))   # answered, never read
-    reader._proc.stdin.flush()
+    helper = reader.lanes[0].proc
+    helper.stdin.write(b"%d R - %s\n" % (reader.requests - 1, stale))   # answered, never read
+    helper.stdin.flush()
     answer = procscan.read_bytes(os.path.join(proc.root, "611", "maps"))
     assert b"/dev/nvidia1" in answer and b"/dev/nvidia0" not in answer and reader.started == 1
 
@@ -108,8 +111,8 @@ def test_a_dead_reader_is_replaced_once_and_never_read_around(proc, reader, monk
     proc.add(620, comm="python3", maps=ctx(0))
     path = os.path.join(proc.root, "620", "maps")
     procscan.read_bytes(path)
-    reader._proc.kill()
-    reader._proc.wait()
+    reader.lanes[0].proc.kill()
+    reader.lanes[0].proc.wait()
     assert b"/dev/nvidia0" in procscan.read_bytes(path) and reader.started == 2
     reader.close()
     monkeypatch.setattr(procscan, "READER_SOURCE", "import sys; sys.exit(0)")   # a reader that cannot answer
@@ -117,3 +120,27 @@ def test_a_dead_reader_is_replaced_once_and_never_read_around(proc, reader, monk
         procscan.read_bytes(path)
     assert failed.value.errno == errno.EIO and "failed twice" in str(failed.value) and reader.started == 4
     assert reader.blocked == {}
+
+
+def test_a_batch_keeps_device_lines_and_fd_targets_and_bounds_each_answer(proc, reader):
+    proc.add(700, comm="python3", maps=ctx(0), fds=["/dev/nvidia0", CTL, "/usr/lib/libc.so.6"])
+    proc.add(701, comm="python3", maps=ctx(1))
+    proc.add(702, comm="python3", maps=ctx(2))
+    block(proc, 701, "maps")
+    paths = [os.path.join(proc.root, str(pid), "maps") for pid in (700, 701, 702)]
+    marker = b"/dev/nvidia"
+    started = time.monotonic()
+    answers = reader.read_many([(procscan.KEEP_LINES, p, marker) for p in paths]
+                               + [(procscan.FD_TARGETS, os.path.join(proc.root, "700", "fd"), marker),
+                                  (procscan.WHOLE, os.path.join(proc.root, "799", "maps"), None)])
+    assert 0.5 <= time.monotonic() - started < 10       # one wait, for the one blocked read
+    size, kept = answers[0]
+    whole = open(paths[0], "rb").read()
+    assert size == len(whole) and kept and all(marker in line for line in kept.split(b"\n"))
+    assert kept.count(b"\n") + 1 == sum(1 for line in whole.splitlines() if marker in line)
+    assert isinstance(answers[1], procscan.ReadBlocked) and (proc.root, 701) in reader.blocked
+    assert b"/dev/nvidia2" in answers[2][1]
+    count, targets = answers[3]
+    assert count == 4 and sorted(targets.split(b"\0")) == sorted([b"/dev/nvidia0", CTL.encode()])
+    assert answers[4].errno == errno.ENOENT
+    assert reader.started == 2

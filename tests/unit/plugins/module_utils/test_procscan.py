@@ -119,21 +119,22 @@ def test_same_process_compares_start_time(proc):
 
 
 def test_a_pid_reused_while_its_tables_are_read_is_never_a_holder(proc, monkeypatch):
-    """The process dies and its pid is reused between the maps read and the fd read: start times differ."""
+    """The process dies and its pid is reused while its tables are read: start times differ."""
     gpu0 = ["/dev/nvidia0", CTL, UVM]
     proc.add(50, maps=gpu0, fds=gpu0, starttime=1000)
     proc.add(51, maps=gpu0, fds=gpu0, starttime=1000)
-    real = procscan._read_fd_devices
+    real = procscan.READER.read_many
 
-    def reuse_50_midway(fd_dir, devices):
-        if fd_dir.endswith("/50/fd"):
+    def reuse_50_midway(requests, lane=0):
+        answers = real(requests, lane)
+        if any(path.endswith("/50/fd") for dummy, path, dummy2 in requests):
             stat_path = os.path.join(proc.root, "50", "stat")
             with open(stat_path) as f:
                 text = f.read()
             with open(stat_path, "w") as f:
                 f.write(text.replace(" 1000 1000000 ", " 2500 1000000 "))   # a new process, a later start
-        return real(fd_dir, devices)
-    monkeypatch.setattr(procscan, "_read_fd_devices", reuse_50_midway)
+        return answers
+    monkeypatch.setattr(procscan.READER, "read_many", reuse_50_midway)
     result = procscan.scan(proc.root, DEVS)
     assert sorted(result.entries) == [51]
 

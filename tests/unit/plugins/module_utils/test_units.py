@@ -115,3 +115,37 @@ def test_stops_run_in_several_containers_at_once_within_the_bound(monkeypatch):
     assert all(u["outcome"] == "done: stopped" for u in releaser.found_units)
     dummy, calls, most = _stops(monkeypatch, 1)
     assert most == 1 and calls == ["a:a", "b:b", "c:c", "d:d"]
+
+
+DOCKER_ID = "4f2a9c" + "0" * 52 + "abcdef"
+
+
+def test_docker_inside_lxc_is_named_by_the_holders_cgroup_with_either_driver(proc):
+    """The lab cannot run docker: this path is tested here only, with the cgroups docker makes inside LXC."""
+    for pid, cgroup in ((500, "0::/lxc/101/ns/system.slice/docker-%s.scope\n" % DOCKER_ID),   # systemd driver
+                        (502, "0::/lxc/101/ns/docker/%s\n" % DOCKER_ID)):                     # cgroupfs driver
+        proc.add(pid, cgroup=cgroup)
+        found = units.find(holder(pid, cgroup), proc.root)
+        assert (found["vmid"], found["kind"], found["name"], found["argv"]) == (
+            101, "docker", DOCKER_ID[:12], ["docker", "stop", DOCKER_ID])
+        assert found["evidence"].startswith("its cgroup in the container is /")
+    bad = "0::/lxc/101/ns/system.slice/docker-%s.scope\n" % ("z" * 64)
+    proc.add(501, cgroup=bad)
+    assert units.find(holder(501, bad), proc.root) is None
+
+
+def test_docker_inside_lxc_is_found_from_its_shim_before_a_supervisord_inside_it(proc):
+    proc.add(1, comm="init", ppid=0)
+    proc.add(30, comm="containerd-shim", ppid=1,
+             argv=["/usr/bin/containerd-shim-runc-v2", "-namespace", "moby", "-id", DOCKER_ID, "-address", "/run/x"])
+    proc.add(31, comm="supervisord", ppid=30, argv=["/usr/bin/python3", "/usr/bin/supervisord", "-c", "/etc/s.conf"])
+    proc.add(32, comm="python3", ppid=31)
+    environ(proc, 32, SUPERVISOR_PROCESS_NAME="server", SUPERVISOR_GROUP_NAME="server")
+    found = units.find(holder(32, "0::/lxc/101/ns/init.scope\n"), proc.root)
+    assert (found["kind"], found["argv"]) == ("docker", ["docker", "stop", DOCKER_ID])
+    assert "pid 31 runs under containerd-shim (pid 30 on the node) as docker container %s" % DOCKER_ID[:12] \
+        in found["evidence"]
+    proc.add(40, comm="containerd-shim", ppid=1,                     # a containerd (not docker) namespace: not docker's
+             argv=["/usr/bin/containerd-shim-runc-v2", "-namespace", "k8s.io", "-id", DOCKER_ID])
+    proc.add(41, comm="python3", ppid=40)
+    assert units.find(holder(41, "0::/lxc/101/ns/init.scope\n"), proc.root) is None

@@ -255,7 +255,7 @@ class Engine(object):
     def scan(self):
         """Scan /proc, leaving out this process and its children (its ancestors are scanned, never signalled)."""
         skip = set([self.self_pid])
-        result = procscan.scan(self.proc_root, self.devices, skip, cgroups=not self.in_container,
+        result = procscan.scan(self.proc_root, self.devices, skip, cgroups=self.view == "node",
                                shm=self.shm_prefixes is not None)
         cache = {}
         for pid in list(result.entries):

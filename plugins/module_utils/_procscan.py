@@ -257,7 +257,8 @@ class BoundedReader(object):
         ended the wait; _HelperFailed (with .answered) when it died or broke its pipe."""
         if lane.proc is None:
             lane.proc = helperproc.spawn(READER_SOURCE, python_flags=["-S"])
-            self.started += 1
+            with self._ids:
+                self.started += 1
         with self._ids:
             first = self.requests + 1
             self.requests += len(requests)

@@ -78,6 +78,17 @@ def check(lab, name, proc, holders):
         raise SystemExit(1)
 
 
+def close(lab, nodes):
+    """Every node's holders killed, then the lab down."""
+    for node in range(1, nodes + 1):
+        lab.cleanup(node="pve%d" % node)
+    lab.down()
+
+
+def median(runs, name, field):
+    return statistics.median(r[field] for r in runs[name])
+
+
 def main():
     lab = EngineLab("fleetbench", ["--nodes", str(NODES), "--containers", str(PER_NODE), "--gpus", str(PER_NODE)]
                     + [a for n, v in VMIDS for a in ("--layout", "%s=%d" % (v, int(v[-2:]) - 1))])
@@ -105,12 +116,10 @@ def main():
                 runs[name].append((wall, cpu, lines, hosts))
                 lab.cleanup()
     finally:
-        for node in range(1, NODES + 1):
-            lab.cleanup(node="pve%d" % node)
-        lab.down()
+        close(lab, NODES)
 
     def med(name, field):
-        return statistics.median(r[field] for r in runs[name])
+        return median(runs, name, field)
 
     rows = []
     for name, *_rest in variants:

@@ -10,7 +10,6 @@ on paper, a maintenance window over 1,000 nodes at forks 50.
 """
 import math
 import os
-import statistics
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -40,20 +39,16 @@ def main():
     runs = {"all": [], "one": []}
     try:
         for dummy in range(ROUNDS):
-            for name, chosen, limit in (("all", vmids, None), ("one", one_node, "ct101,ct102,ct103,ct104,ct105,ct106,ct107,ct108")):
+            for name, chosen, limit in (("all", vmids, None), ("one", one_node, ",".join("ct%s" % v for n, v in one_node))):
                 holders = fleet.load(lab, chosen)
                 proc, wall, cpu, lines = fleet.playbook(lab, playbook, limit, args, forks=FORKS)
                 fleet.check(lab, "node path, %s" % name, proc, holders)
                 runs[name].append((wall, cpu))
                 lab.cleanup()
     finally:
-        for node in range(1, NODES + 1):
-            lab.cleanup(node="pve%d" % node)
-        lab.down()
-
-    def med(name, field):
-        return statistics.median(r[field] for r in runs[name])
-    wall_all, cpu_all, wall_one, cpu_one = med("all", 0), med("all", 1), med("one", 0), med("one", 1)
+        fleet.close(lab, NODES)
+    wall_all, cpu_all = fleet.median(runs, "all", 0), fleet.median(runs, "all", 1)
+    wall_one, cpu_one = fleet.median(runs, "one", 0), fleet.median(runs, "one", 1)
     cpu_per_node = cpu_all / NODES
     cores = os.cpu_count() or 1
     waves = int(math.ceil(PROJECTED_NODES * PER_NODE / float(FORKS)))

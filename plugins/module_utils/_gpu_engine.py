@@ -97,6 +97,14 @@ def check_libraries(module, more=()):
                          exception=repr(PYNVML_IMPORT_ERROR))
 
 
+def check_shm_prefixes(module):
+    """Fail the task on a bad shm_prefixes entry; returns the (prefix, stack) pairs with the built-in ones."""
+    for prefix in module.params["shm_prefixes"]:
+        if not prefix or "/" in prefix or "\0" in prefix:
+            module.fail_json(msg="shm_prefixes: each must be a file name's start, without /, got %r" % prefix)
+    return shm.prefixes_with(module.params["shm_prefixes"])
+
+
 def engine_from_params(params, patterns):
     """An Engine over a new Nvml, set up from GPU_COMMON_ARGS (not started)."""
     nvml = Nvml(timeout=params["nvml_timeout"], reserved_floor_mib=params.get("reserved_floor_mib"))
@@ -214,6 +222,7 @@ class Engine(object):
         self._devs_of = {}       # vmid -> dev_minors of its /dev, read once
         self.shm_prefixes = None  # (prefix, stack) pairs: read /dev/shm for residue (gpu_status); None: not read
         self.shm_dir = "/dev/shm"
+        self.shm_since = None     # epoch: residue must be older than this too (a release's start)
         self._unknown_minors = set()
         self.rank_deaths = {}   # set by the releaser: {index: [{"pid", "mib", "survivors"}]} seen this run
         self.generation = None  # NVML's generation when the GPUs were listed
@@ -494,12 +503,14 @@ class Engine(object):
         report.unknown_gpus = self._unknown(holders)
         report.unreadable = self.unreadable(scan, gpu_reports)
         if self.shm_prefixes is not None:
-            report.shm_residue, report.shm_residue_by_container = self._shm_residue(scan, started)
+            since = min(started, self.shm_since) if self.shm_since else started
+            report.shm_residue, report.shm_residue_by_container, report.shm_dirs = self._shm_residue(scan, since)
         report.diagnosis = device_findings + diagnose(report)
         return report
 
     def _shm_residue(self, scan, started):
-        """(residue in this host's /dev/shm, {vmid: residue in its /dev/shm} from the node, else None)."""
+        """(residue in this host's /dev/shm, {vmid: residue in its /dev/shm} from the node, else None, and
+        {vmid or None: the folder as read from here})."""
         used = {}
         for pid, paths in scan.shm_paths.items():
             where = node.container_of_pid(pid, self.proc_root, scan) if self.view == "node" else node.HOST
@@ -509,10 +520,12 @@ class Engine(object):
             return shm.residue(shm.list_dir(shm_dir), used.get(where, set()), started, self.shm_dir, self.shm_prefixes)
         here = read(self.shm_dir, node.HOST)
         if self.view != "node":
-            return here, None
-        inits = node.container_inits(self.proc_root, scan)
-        return here, dict((vmid, read("%s/%d/root%s" % (self.proc_root, init, self.shm_dir), vmid))
-                          for vmid, init in sorted(inits.items(), key=lambda i: int(i[0])))
+            return here, None, {None: self.shm_dir}
+        dirs = dict((vmid, "%s/%d/root%s" % (self.proc_root, init, self.shm_dir))
+                    for vmid, init in node.container_inits(self.proc_root, scan).items())
+        by_container = dict((vmid, read(dirs[vmid], vmid)) for vmid in sorted(dirs, key=int))
+        dirs[None] = self.shm_dir
+        return here, by_container, dirs
 
     def _container_devs(self, records):
         """{vmid: dev_minors of its /dev} of each container with a process read here, through its lowest pid's root
@@ -627,6 +640,7 @@ class Report(object):
         self.protected_holders = []
         self.unreadable = []
         self.shm_residue = self.shm_residue_by_container = None
+        self.shm_dirs = {}
 
     @property
     def all_free(self):

@@ -22,6 +22,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
 from ansible_collections.gpuops.fleet.plugins.module_utils import _respawn as respawn
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
 from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
@@ -1098,6 +1099,32 @@ def _after_stops(releaser, found, refused):
     return fresh
 
 
+def shm_clean(engine, targets, scope, since, prefixes, check_mode):
+    """The GPU stacks' /dev/shm residue older than since, read afresh, and removed unless check_mode: here, or
+    from a node the scoped containers' (the node's own only with host_processes, or without containers).
+    Returns (found, removed, left): entries with their vmid (None: this host's), left with why."""
+    engine.shm_prefixes, engine.shm_since = prefixes, since
+    try:
+        report = engine.snapshot(targets)
+    finally:
+        engine.shm_prefixes = engine.shm_since = None
+    places = []
+    if engine.view != "node" or scope is None or scope.host_processes or not scope.containers:
+        places.append((None, report.shm_residue or []))
+    for vmid, found in sorted((report.shm_residue_by_container or {}).items(), key=lambda item: int(item[0])):
+        if scope is not None and vmid in scope.containers:
+            places.append((vmid, found))
+    found_all, removed, left = [], [], []
+    for vmid, found in places:
+        tag = dict(vmid=int(vmid) if vmid else None)
+        found_all += [dict(entry, **tag) for entry in found]
+        if found and not check_mode:
+            done, not_done = shm.remove(report.shm_dirs[vmid], found, since)
+            removed += [dict(entry, **tag) for entry in done]
+            left += [dict(entry, why=why, **tag) for entry, why in not_done]
+    return found_all, removed, left
+
+
 def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_DIR, deadline=None, progress=None):
     """Run gpu_release on a started Engine. Returns (failed, msg, result).
 
@@ -1105,6 +1132,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
     what was signalled (backstop_result).
     """
     started = time.monotonic()
+    started_epoch = time.time()
     opts = dict(options)
     releaser = Releaser(engine, targets, term_timeout=opts.get("term_timeout", 10.0),
                         kill_timeout=opts.get("kill_timeout", 10.0), verify_timeout=opts.get("verify_timeout", 30.0),
@@ -1163,6 +1191,22 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         result["elapsed_s"] = round(time.monotonic() - started, 3)
         return failed, msg, result
 
+    def with_shm(failed, msg, res):
+        """A free outcome with clean_shm: the residue listed (check mode) or removed, and said in msg."""
+        if failed or not opts.get("shm_prefixes"):
+            return failed, msg, res
+        found, removed, left = shm_clean(engine, targets, releaser.scope, started_epoch, opts["shm_prefixes"], check_mode)
+        res.update(shm_residue=found, shm_removed=removed, shm_left=left)
+        if check_mode and found:
+            res["changed"] = True
+            msg += "; %d shared-memory residue files would be removed" % len(found)
+        elif removed or left:
+            res["changed"] = res["changed"] or bool(removed)
+            msg += "; %d shared-memory residue files removed%s" % (len(removed), "" if not left else ", %d left (%s)" % (
+                len(left), "; ".join("%s: %s" % (e["path"], e["why"]) for e in left)))
+        res["elapsed_s"] = round(time.monotonic() - started, 3)
+        return bool(left), msg, res
+
     if not targets:
         return True, "no GPU targeted, nothing was signalled", dict(result, elapsed_s=round(time.monotonic() - started, 3))
     gpu_keys = [(engine.gpu(i) or {}).get("uuid") or "index-%d" % i for i in targets]
@@ -1191,8 +1235,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             return finish(True, "NVML failed, nothing was signalled: " + msg, before, None)
         if targets_free(before, own()):
             estimate = "" if free_words(before) == "verified free" else " (by estimate: %s)" % ESTIMATE_WHY
-            return finish(False, "every targeted GPU is already free" + estimate if before.all_free else
-                          "nothing of %s holds the targeted GPUs (shared_gpu: own)" % releaser.scope.describe(), before, before)
+            return with_shm(*finish(False, "every targeted GPU is already free" + estimate if before.all_free else
+                                    "nothing of %s holds the targeted GPUs (shared_gpu: own)" % releaser.scope.describe(),
+                                    before, before))
         releaser.prepare(before)
         _leave_out_refused(releaser, before, refused)
         if releaser.refusals:
@@ -1201,9 +1246,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         found = releaser.find_units()
         if check_mode:
             result["diagnosis"] = list(before.diagnosis)
-            return finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (
+            return with_shm(*finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (
                 len(releaser.plan), "" if not found else ", after %d units stopped" % len(found),
-                refused_words(refused)), before, None)
+                refused_words(refused)), before, None))
         try:
             if found:
                 fresh = _after_stops(releaser, found, refused)
@@ -1228,8 +1273,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                       % ", ".join(releaser.missing), before, after)
     if targets_free(after, own()):
         words = free_words(after)
-        return finish(bool(refused), (words if after.all_free else "%s of %s (shared_gpu: own)"
-                                      % (words, releaser.scope.describe())) + refused_words(refused), before, after)
+        return with_shm(*finish(bool(refused), (words if after.all_free else "%s of %s (shared_gpu: own)"
+                                                % (words, releaser.scope.describe())) + refused_words(refused),
+                                before, after))
     busy = [g for g in after.gpus if not (free_for_scope(after, g, own()) if own() else g["free"])]
     tried = ", ".join("%s to %d: %s" % (a["signal"], a["pid"], a["outcome"]) if a["pid"] else
                       "%s %s: %s" % (a["signal"], a["name"], a["outcome"]) for a in releaser.actions) or "nothing"

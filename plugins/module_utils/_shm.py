@@ -68,3 +68,29 @@ def residue(entries, used, started, shm_dir="/dev/shm", prefixes=PREFIXES):
         if owner and entry["name"] not in used and entry["mtime"] < started:
             out.append({"path": "%s/%s" % (shm_dir.rstrip("/"), entry["name"]), "bytes": entry["bytes"], "owner": owner})
     return out
+
+
+def remove(real_dir, entries, since):
+    """Remove each residue entry from real_dir (the folder as this process reaches it) when it is still a regular
+    file last changed before since; a symlink is never followed (the folder is opened O_NOFOLLOW, each name is
+    checked without following). Returns (removed entries, [(entry, why)] left)."""
+    removed, left = [], []
+    try:
+        dir_fd = os.open(real_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        return [], [(entry, "cannot open %s: %s" % (real_dir, exc.strerror)) for entry in entries]
+    try:
+        for entry in entries:
+            name = entry["path"].rsplit("/", 1)[-1]
+            try:
+                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if not stat_mod.S_ISREG(st.st_mode) or st.st_mtime >= since:
+                    left.append((entry, "changed since the release started, or no longer a file"))
+                    continue
+                os.unlink(name, dir_fd=dir_fd)
+                removed.append(entry)
+            except OSError as exc:
+                left.append((entry, exc.strerror or str(exc)))
+    finally:
+        os.close(dir_fd)
+    return removed, left

@@ -229,6 +229,25 @@ options:
       - The role's node path sets it from C(release_gpus_node_concurrency).
     type: int
     default: 4
+  clean_shm:
+    description:
+      - When the targeted GPUs end free (already free, or verified free after the ladder), remove the GPU stacks'
+        shared-memory residue in C(/dev/shm), as M(gpuops.fleet.gpu_status) finds it (see
+        O(gpuops.fleet.gpu_status#module:shm_residue)), read afresh; from a node with O(containers), in each scoped
+        container's C(/dev/shm) (the node's own only with O(host_processes)); from a node without O(containers),
+        the node's own.
+      - Never a file a live process has open or maps, never one changed after the release started, never through a
+        symlink. Check mode lists what would be removed (RV(shm_residue)) and removes nothing.
+      - A file that could not be removed fails the task, naming it (RV(shm_left)).
+    type: bool
+    default: false
+  shm_prefixes:
+    description:
+      - More name prefixes that mark a C(/dev/shm) file as a GPU stack's for O(clean_shm), beside the built-in ones
+        (C(nccl-), C(sgl_), C(torch_), C(vllm), C(psm_)). Each is a file name's start, without C(/).
+    type: list
+    elements: str
+    default: []
   proxmox_api:
     description:
       - Credentials for the container rung's Proxmox API calls (C(status/stop), C(status/start), waiting for both
@@ -563,6 +582,26 @@ reads:
   returned: always
   type: dict
   sample: {"fast": 24, "full": 4}
+shm_residue:
+  description:
+    - With O(clean_shm), the residue found once the GPUs were free (C(path) as its container sees it, C(bytes),
+      C(owner), C(vmid), null for this host's); in check mode, what would be removed.
+  returned: with O(clean_shm), when the targeted GPUs end free
+  type: list
+  elements: dict
+  sample: [{"path": "/dev/shm/nccl-Xk3a9Q", "bytes": 9437184, "owner": "nccl", "vmid": 101}]
+shm_removed:
+  description: With O(clean_shm), the residue files removed (as in RV(shm_residue)).
+  returned: with O(clean_shm), when the targeted GPUs end free
+  type: list
+  elements: dict
+  sample: [{"path": "/dev/shm/nccl-Xk3a9Q", "bytes": 9437184, "owner": "nccl", "vmid": 101}]
+shm_left:
+  description: With O(clean_shm), residue files not removed, each with C(why).
+  returned: with O(clean_shm), when the targeted GPUs end free
+  type: list
+  elements: dict
+  sample: []
 found_units:
   description:
     - With O(stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd),
@@ -597,7 +636,8 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
-    GPU_COMMON_ARGS, check_common_params, check_libraries, check_numbers, engine_from_params, no_gpu_message,
+    GPU_COMMON_ARGS, check_common_params, check_libraries, check_numbers, check_shm_prefixes, engine_from_params,
+    no_gpu_message,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
@@ -675,6 +715,8 @@ def main():
         stop_found_units=dict(type="bool", default=False),
         stop_timeout=dict(type="float", default=60.0),
         stop_concurrency=dict(type="int", default=4),
+        clean_shm=dict(type="bool", default=False),
+        shm_prefixes=dict(type="list", elements="str", default=[]),
         proxmox_api=dict(type="dict", options=dict(
             host=dict(type="str", required=True),
             port=dict(type="int", default=8006),
@@ -696,6 +738,7 @@ def main():
     check_numbers(module, ["timeout", "container_timeout", "stop_timeout"], strict=True)
     check_numbers(module, ["stop_concurrency"], minimum=1)
     patterns = check_common_params(module)
+    prefixes = check_shm_prefixes(module)
     scope = check_scope(module)
     try:
         match = compile_regex(params["match"], "match") if params["match"] is not None else None
@@ -735,7 +778,8 @@ def main():
         options.update(match=match, protect=protect, scope=scope, shared_gpu=params["shared_gpu"],
                        container_restart=params["container_restart"], container_timeout=params["container_timeout"],
                        stop_found_units=params["stop_found_units"], stop_timeout=params["stop_timeout"],
-                       stop_concurrency=params["stop_concurrency"], skipped_containers=skipped)
+                       stop_concurrency=params["stop_concurrency"], skipped_containers=skipped,
+                       shm_prefixes=prefixes if params["clean_shm"] else None)
         if params["container_restart"]:
             try:
                 options["restart_backend"] = restart.backend_for(params["proxmox_api"])

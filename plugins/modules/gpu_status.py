@@ -551,9 +551,8 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
-    GPU_COMMON_ARGS, check_common_params, check_libraries, engine_from_params, no_gpu_message,
+    GPU_COMMON_ARGS, check_common_params, check_libraries, check_shm_prefixes, engine_from_params, no_gpu_message,
 )
-from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
 
@@ -582,13 +581,11 @@ def main():
                                               shm_prefixes=dict(type="list", elements="str", default=[])),
                            supports_check_mode=True)
     patterns = check_common_params(module)
-    for prefix in module.params["shm_prefixes"]:
-        if not prefix or "/" in prefix or "\0" in prefix:
-            module.fail_json(msg="shm_prefixes: each must be a file name's start, without /, got %r" % prefix)
+    prefixes = check_shm_prefixes(module)
     check_libraries(module)
     engine, targets = start_engine(module, patterns)
     if module.params["shm_residue"]:
-        engine.shm_prefixes = shm.prefixes_with(module.params["shm_prefixes"])
+        engine.shm_prefixes = prefixes
     try:
         report = engine.snapshot(targets)
     except Exception as exc:

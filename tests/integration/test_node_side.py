@@ -444,3 +444,40 @@ def test_shm_residue_is_read_in_the_container_and_from_the_node_and_a_used_segme
         assert "shm_residue" not in quiet.result
     finally:
         clean.exec(102, "sh", "-c", "rm -f /dev/shm/nccl-leak /dev/shm/PostgreSQL.1 /dev/shm/sgl_live")
+
+
+def _shm_names(lab, vmid):
+    return sorted(lab.exec(vmid, "ls", "/dev/shm").stdout.split())
+
+
+def test_clean_shm_removes_only_residue_from_the_node_and_inside_and_check_mode_removes_nothing(clean):
+    """Issue 21: gpu_release clean_shm on free GPUs removes the leaked NCCL segment of container 102 (scoped from
+    the node), never the segment a live process maps nor a database's; then, its user gone, inside the container."""
+    assert clean.exec(102, "python3", "-c", SHM_FILES).returncode == 0
+    started = clean.exec(102, "sh", "-c", "setsid python3 -c \"$0\" gpuops_shm_user > /dev/null 2>&1 < /dev/null &", SHM_USER)
+    assert started.returncode == 0, started.stdout
+    try:
+        assert wait_until(lambda: "/dev/shm/sgl_live" in clean.exec(
+            102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
+        leak = {"path": "/dev/shm/nccl-leak", "bytes": 8192, "owner": "nccl", "vmid": 102}
+        check = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], clean_shm=True), check_mode=True)
+        assert not check.failed and check["shm_residue"] == [leak] and check["shm_removed"] == [], check
+        assert "1 shared-memory residue files would be removed" in check["msg"] and check["changed"]
+        assert _shm_names(clean, 102) == ["PostgreSQL.1", "nccl-leak", "sgl_live"]
+        done = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], clean_shm=True))
+        assert not done.failed and done["changed"] and done["shm_removed"] == [leak] and done["shm_left"] == [], done
+        assert "1 shared-memory residue files removed" in done["msg"]
+        assert _shm_names(clean, 102) == ["PostgreSQL.1", "sgl_live"]
+        again = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], clean_shm=True))
+        assert not again.failed and not again["changed"] and again["shm_removed"] == [], again
+    finally:
+        clean.exec(102, "pkill", "-f", "gpuops_shm_user")
+    try:
+        assert wait_until(lambda: "/dev/shm/sgl_live" not in clean.exec(
+            102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
+        inside = clean.play("ct102", "gpu_release", dict(FAST, clean_shm=True))
+        assert not inside.failed and [(e["path"], e["vmid"]) for e in inside["shm_removed"]] == [
+            ("/dev/shm/sgl_live", None)], inside
+        assert _shm_names(clean, 102) == ["PostgreSQL.1"]
+    finally:
+        clean.exec(102, "sh", "-c", "rm -f /dev/shm/nccl-leak /dev/shm/PostgreSQL.1 /dev/shm/sgl_live")

@@ -490,8 +490,18 @@ def test_a_hard_stop_keeps_what_was_signalled(lab, tmp_path):
     pid = lab.start("term_ignoring")
     progress = {}
 
+    def inside_release(frame):
+        while frame is not None:
+            if frame.f_code.co_name == "release" and frame.f_code.co_filename.endswith("_release.py"):
+                return True
+            frame = frame.f_back
+        return False
+
     def hard_stop(signum, frame):
-        raise ReleaseTimeout("the overall timeout was reached (hard stop)")
+        # only inside release(): once its exception is out, a tick landing in pytest's own handling of it
+        # (it failed CI once that way, under load) must not raise a second one there
+        if inside_release(frame):
+            raise ReleaseTimeout("the overall timeout was reached (hard stop)")
     previous = signal.signal(signal.SIGALRM, hard_stop)
     # fires mid-wait after SIGTERM, then every 2 ms, so that it also escapes release()'s own clean-up
     signal.setitimer(signal.ITIMER_REAL, 0.6, 0.002)

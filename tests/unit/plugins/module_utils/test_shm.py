@@ -58,3 +58,22 @@ def test_gpu_status_reads_residue_and_what_live_processes_use_from_their_maps_an
     assert report.as_dict()["shm_residue"] == report.shm_residue
     engine.shm_prefixes = None                                          # gpu_release: not read
     assert "shm_residue" not in engine.snapshot([0]).as_dict()
+
+
+def test_remove_never_follows_a_symlink_and_leaves_a_file_changed_since(tmp_path):
+    folder = str(tmp_path / "shm")
+    os.mkdir(folder)
+    target = segment(str(tmp_path), "precious")
+    for name in ("nccl-a", "nccl-b", "nccl-c"):
+        segment(folder, name)
+    found = shm.residue(shm.list_dir(folder), set(), time.time(), "/dev/shm")
+    os.unlink(os.path.join(folder, "nccl-b"))
+    os.symlink(target, os.path.join(folder, "nccl-b"))          # swapped for a link after the read
+    segment(folder, "nccl-c", mtime=time.time() + 5)            # written again after the release started
+    removed, left = shm.remove(folder, found, time.time())
+    assert [e["path"] for e in removed] == ["/dev/shm/nccl-a"]
+    assert [e["path"] for e, why in left] == ["/dev/shm/nccl-b", "/dev/shm/nccl-c"]
+    assert os.path.exists(target) and sorted(os.listdir(folder)) == ["nccl-b", "nccl-c"]
+    link = str(tmp_path / "link")
+    os.symlink(folder, link)
+    assert shm.remove(link, found[2:], time.time())[0] == []      # the folder itself is not followed either

@@ -12,18 +12,10 @@
 # only its own holder (match: gpuops_dn_holder), and removes the container at the end.
 set -uo pipefail
 cd "$(dirname "$0")/../../.." || exit 2
-OUT=${OUT:-$PWD/.cache/devnumbers}
-mkdir -p "$OUT"
-VMID=129
-SITE=$PWD/.cache/dn-site
+NAME=devnumbers
+OWN=gpuops_dn_holder
 # shellcheck source=tests/bench/device/real_lxc_site.sh
 source tests/bench/device/real_lxc_site.sh
-# shellcheck disable=SC2317  # called by the EXIT trap
-cleanup() {
-    pkill -9 -f gpuops_dn_holder 2>/dev/null
-    "${LXC[@]}" down "$VMID" > /dev/null 2>&1
-}
-trap cleanup EXIT
 
 {
     "${LXC[@]}" up .cache/real-lxc/debs "$VMID" 2>&1 | tail -2 || exit 3

@@ -12,18 +12,10 @@
 # touches only files it made in the container's /dev/shm, and removes the container at the end.
 set -uo pipefail
 cd "$(dirname "$0")/../../.." || exit 2
-OUT=${OUT:-$PWD/.cache/shmresidue}
-mkdir -p "$OUT"
-VMID=129
-SITE=$PWD/.cache/shm-site
+NAME=shmresidue
+OWN=gpuops_shm_user
 # shellcheck source=tests/bench/device/real_lxc_site.sh
 source tests/bench/device/real_lxc_site.sh
-# shellcheck disable=SC2317  # called by the EXIT trap
-cleanup() {
-    pkill -9 -f gpuops_shm_user 2>/dev/null
-    "${LXC[@]}" down "$VMID" > /dev/null 2>&1
-}
-trap cleanup EXIT
 
 show() {
     python3 - "$1" <<'PY'

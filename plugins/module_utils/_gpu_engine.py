@@ -218,7 +218,6 @@ class Engine(object):
         self._ticks = _clock_ticks()
         self._btime = _boot_time(proc_root)
         self._minor_cache = {}
-        self._scan_now = None    # the snapshot's scan, while it is being read
         self._devs_of = {}       # vmid -> dev_minors of its /dev, read once
         self.shm_prefixes = None  # (prefix, stack) pairs: read /dev/shm for residue (gpu_status); None: not read
         self.shm_dir = "/dev/shm"
@@ -303,8 +302,9 @@ class Engine(object):
                 break
         return argv
 
-    def details(self, entry, minor_index):
-        """The per-process record gpu_status returns (pinning fields are set later)."""
+    def details(self, entry, minor_index, table=None):
+        """The per-process record gpu_status returns (pinning fields are set later); table: the scan that
+        read the entry, whose cgroups are used (None: read the cgroup now)."""
         pid = entry.pid
         status = {}
         try:
@@ -314,7 +314,6 @@ class Engine(object):
         counts, blocked = procscan.thread_details(pid, self.proc_root)
         argv = self.cmdline_of(entry)
         parent = procscan.read_stat(entry.ppid, self.proc_root) if entry.ppid else None
-        table = self._scan_now
         cgroup = table.cgroups[pid] if table is not None and pid in table.cgroups else procscan.read_cgroup(pid, self.proc_root)
         root = "%s/%d/root" % (self.proc_root, entry.table_tid if entry.defunct_leader else pid)
         map_lines = {}
@@ -444,10 +443,10 @@ class Engine(object):
         self._unknown_minors = set(g["minor"] for g in self.gpus
                                    if g.get("minor") is not None and views[g["index"]]["procs"] is None)
         started = time.time()
-        scan = self._scan_now = self.scan()
+        scan = self.scan()
         own_tree = self.own_tree_skip()
         minor_index = self.minor_to_index()
-        records = dict((pid, self.details(entry, minor_index)) for pid, entry in scan.entries.items())
+        records = dict((pid, self.details(entry, minor_index, scan)) for pid, entry in scan.entries.items())
         named = sorted(set((p["pid"], index) for index, v in views.items() for p in v["listed"]))
         # a pid NVML names on a GPU where /proc shows it no context: one caught mid set-up maps by now
         contradicting = sorted(set(pid for pid, index in named if self._nvml_status(pid, records, own_tree) == "not_holder"

@@ -1099,15 +1099,10 @@ def _after_stops(releaser, found, refused):
     return fresh
 
 
-def shm_clean(engine, targets, scope, since, prefixes, check_mode):
-    """The GPU stacks' /dev/shm residue older than since, read afresh, and removed unless check_mode: here, or
-    from a node the scoped containers' (the node's own only with host_processes, or without containers).
+def shm_clean(engine, report, scope, since, check_mode):
+    """The GPU stacks' /dev/shm residue older than since, as the report read it, removed unless check_mode: here,
+    or from a node the scoped containers' (the node's own only with host_processes, or without containers).
     Returns (found, removed, left): entries with their vmid (None: this host's), left with why."""
-    engine.shm_prefixes, engine.shm_since = prefixes, since
-    try:
-        report = engine.snapshot(targets)
-    finally:
-        engine.shm_prefixes = engine.shm_since = None
     places = []
     if engine.view != "node" or scope is None or scope.host_processes or not scope.containers:
         places.append((None, report.shm_residue or []))
@@ -1191,11 +1186,11 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         result["elapsed_s"] = round(time.monotonic() - started, 3)
         return failed, msg, result
 
-    def with_shm(failed, msg, res):
-        """A free outcome with clean_shm: the residue listed (check mode) or removed, and said in msg."""
+    def with_shm(report, failed, msg, res):
+        """A free outcome with clean_shm: the residue the report read listed (check mode) or removed, said in msg."""
         if failed or not opts.get("shm_prefixes"):
             return failed, msg, res
-        found, removed, left = shm_clean(engine, targets, releaser.scope, started_epoch, opts["shm_prefixes"], check_mode)
+        found, removed, left = shm_clean(engine, report, releaser.scope, started_epoch, check_mode)
         res.update(shm_residue=found, shm_removed=removed, shm_left=left)
         if check_mode and found:
             res["changed"] = True
@@ -1206,6 +1201,11 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                 len(left), "; ".join("%s: %s" % (e["path"], e["why"]) for e in left)))
         res["elapsed_s"] = round(time.monotonic() - started, 3)
         return bool(left), msg, res
+
+    def read_shm(on):
+        """clean_shm: /dev/shm is read by the first and the last snapshot only (residue older than the start)."""
+        on = on and bool(opts.get("shm_prefixes"))
+        engine.shm_prefixes, engine.shm_since = (opts["shm_prefixes"], started_epoch) if on else (None, None)
 
     if not targets:
         return True, "no GPU targeted, nothing was signalled", dict(result, elapsed_s=round(time.monotonic() - started, 3))
@@ -1224,8 +1224,10 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             return True, "%s; nothing was signalled" % exc, dict(result, elapsed_s=round(time.monotonic() - started, 3))
         result["lock_wait_s"] = round(locks.waited_s, 3)
         result["lock_acquired_at"] = round(time.time(), 3)
+    read_shm(True)
     try:
         before = releaser.snapshot()
+        read_shm(False)
         result.update(releaser.evidence)
         broken = before.errors
         if broken:
@@ -1235,9 +1237,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             return finish(True, "NVML failed, nothing was signalled: " + msg, before, None)
         if targets_free(before, own()):
             estimate = "" if free_words(before) == "verified free" else " (by estimate: %s)" % ESTIMATE_WHY
-            return with_shm(*finish(False, "every targeted GPU is already free" + estimate if before.all_free else
-                                    "nothing of %s holds the targeted GPUs (shared_gpu: own)" % releaser.scope.describe(),
-                                    before, before))
+            msg = ("every targeted GPU is already free" + estimate if before.all_free else
+                   "nothing of %s holds the targeted GPUs (shared_gpu: own)" % releaser.scope.describe())
+            return with_shm(before, *finish(False, msg, before, before))
         releaser.prepare(before)
         _leave_out_refused(releaser, before, refused)
         if releaser.refusals:
@@ -1246,7 +1248,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         found = releaser.find_units()
         if check_mode:
             result["diagnosis"] = list(before.diagnosis)
-            return with_shm(*finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (
+            return with_shm(before, *finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (
                 len(releaser.plan), "" if not found else ", after %d units stopped" % len(found),
                 refused_words(refused)), before, None))
         try:
@@ -1262,8 +1264,10 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         except ReleaseTimeout as exc:
             after = releaser.snapshot()
             return finish(True, "%s (timeout %ss)" % (exc, opts.get("timeout")), before, after)
+        read_shm(True)
         after = releaser.snapshot()
     finally:
+        read_shm(False)
         locks.release()
     if releaser.failure:
         return finish(True, releaser.failure, before, after)
@@ -1273,9 +1277,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                       % ", ".join(releaser.missing), before, after)
     if targets_free(after, own()):
         words = free_words(after)
-        return with_shm(*finish(bool(refused), (words if after.all_free else "%s of %s (shared_gpu: own)"
-                                                % (words, releaser.scope.describe())) + refused_words(refused),
-                                before, after))
+        msg = (words if after.all_free else "%s of %s (shared_gpu: own)" % (words, releaser.scope.describe()))
+        return with_shm(after, *finish(bool(refused), msg + refused_words(refused), before, after))
     busy = [g for g in after.gpus if not (free_for_scope(after, g, own()) if own() else g["free"])]
     tried = ", ".join("%s to %d: %s" % (a["signal"], a["pid"], a["outcome"]) if a["pid"] else
                       "%s %s: %s" % (a["signal"], a["name"], a["outcome"]) for a in releaser.actions) or "nothing"

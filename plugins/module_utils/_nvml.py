@@ -38,6 +38,8 @@ except ImportError:  # pragma: no cover
 MIB = 1024 * 1024
 HELPER_START_S = 30.0   # how long a new helper may take to import nvidia-ml-py
 V2_MISSING_CODES = (3, 13, 25)  # not supported, no such function, argument version mismatch
+NOT_APPLICABLE_CODES = (3, 13)  # not supported (an H200 has no page retirement), no such function in this NVML
+RECOVERY_ACTION_FIELD = 230     # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvidia-smi -q: "GPU Recovery Action")
 
 try:
     import pynvml
@@ -82,7 +84,7 @@ def arg(value):
 def plain(value):
     if isinstance(value, bytes):
         return value.decode("utf-8", "replace")
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) or hasattr(value, "_length_"):  # a ctypes array too
         return [plain(v) for v in value]
     if hasattr(value, "_fields_"):
         return {"__fields__": dict((f[0], plain(getattr(value, f[0]))) for f in value._fields_)}
@@ -539,6 +541,34 @@ class Nvml(object):
                 if mib is not None:
                     entry["used_mib"] = (entry["used_mib"] or 0) + mib
         return [found[pid] for pid in sorted(found)]
+
+    def health(self, index):
+        """What the driver says of one GPU's health: [{check, call, value, code, error}], value None with the
+        code when the call failed (code 3 or 13: not applicable here). A lost or hung GPU raises NvmlFailure."""
+        handle = self.handle(index)
+        readings = []
+        for check, call, args in (("retired_pages", "nvmlDeviceGetRetiredPagesPendingStatus", ()),
+                                  ("row_remap", "nvmlDeviceGetRemappedRows", ()),
+                                  ("ecc_mode", "nvmlDeviceGetEccMode", ()),
+                                  ("recovery_action", "nvmlDeviceGetFieldValues", ([RECOVERY_ACTION_FIELD],))):
+            reading = {"check": check, "call": call, "value": None, "code": None, "error": None}
+            readings.append(reading)
+            try:
+                value = self._gpu_call(index, call, call, handle, *args)
+            except NvmlFailure as exc:
+                if exc.kind in ("hang", "lost"):
+                    raise
+                reading.update(code=exc.code, error=exc.message)
+                continue
+            if check == "recovery_action":
+                field = (value or [None])[0]
+                code = getattr(field, "nvmlReturn", None)
+                if code:
+                    reading.update(code=code, error="%s: NVML error %s for field %d" % (call, code, RECOVERY_ACTION_FIELD))
+                    continue
+                value = getattr(getattr(field, "value", None), "uiVal", None)
+            reading["value"] = [int(v) for v in value] if isinstance(value, (list, tuple)) else value
+        return readings
 
 
 def _failure(label, code, text):

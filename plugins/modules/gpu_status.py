@@ -32,6 +32,9 @@ description:
     connected holders as RV(linked). Residue (memory the surviving ranks keep on a dead rank's GPU) is charged to a
     job only when the run saw that rank die; otherwise it is unattributed.
   - Returns C(diagnosis), a list of plain sentences, one per finding, each naming the pid and the remedy.
+  - Says whether the next job can start (RV(ready)); each GPU gets C(ready) and C(not_ready), one entry per failed
+    check (C(free), C(capacity), C(nvml), C(retired_pages), C(row_remap), C(ecc_mode), C(recovery_action),
+    C(device_access)), each with its reason and remedy.
   - Read-only; C(changed) is always false.
 author:
   - gpuops (@gpuops)
@@ -66,6 +69,34 @@ options:
     type: list
     elements: str
     default: []
+  need_mib:
+    description:
+      - The next job needs this many MiB free on each selected GPU (NVML v2 free, total less reserved less used); a
+        GPU with less is not ready (check C(capacity), with both numbers).
+      - Mutually exclusive with O(need_fraction).
+    type: int
+  need_fraction:
+    description:
+      - The next job takes this fraction (0 to 1) of each selected GPU, as an inference engine computes it (vLLM's
+        C(gpu_memory_utilization), SGLang's C(mem_fraction_static)) of what CUDA calls total (NVML v2 total less
+        reserved), and needs it free beside its own CUDA context (526 MiB, measured with torch on an H200).
+      - Mutually exclusive with O(need_mib).
+    type: float
+  health:
+    description:
+      - Ask NVML whether each selected GPU needs a reset or a reboot (RV(gpus[].health)) - pending retired pages,
+        a pending or failed row remap, an ECC mode change pending, the driver's recovery action. A call the GPU does
+        not support (an H200 has no page retirement) is not applicable, never a reason for not ready.
+    type: bool
+    default: true
+  device_access:
+    description:
+      - In a container or on a host that is not a Proxmox node, open each selected GPU's device files (found by
+        their device number), C(nvidiactl) and C(nvidia-uvm), read and write as CUDA opens them, and close them; one
+        that does not open makes the GPU not ready (check C(device_access)).
+      - Not read from a Proxmox node, where access is each container's own.
+    type: bool
+    default: true
 seealso:
   - module: gpuops.fleet.gpu_release
 """
@@ -101,6 +132,12 @@ EXAMPLES = r"""
   register: gpu
   failed_when: not gpu.all_free
 
+- name: Fail unless the next server (gpu_memory_utilization 0.9) can start on every GPU
+  gpuops.fleet.gpu_status:
+    need_fraction: 0.9
+  register: gpu
+  failed_when: not gpu.ready
+
 - name: Mask connection strings too
   gpuops.fleet.gpu_status:
     redact:
@@ -113,6 +150,13 @@ missing_library:
   returned: when a library is missing
   type: str
   sample: nvidia-ml-py
+ready:
+  description:
+    - Whether the next job can start - every selected GPU is ready (RV(gpus[].ready)), at least one was selected,
+      and no GPU stack's shared-memory residue was found (RV(shm_residue), and from a node RV(shm_residue_by_container)).
+  returned: success
+  type: bool
+  sample: false
 all_free:
   description: Whether every selected GPU uses at most O(threshold_mib) beyond its reserved floor (NVML v2 C(used)).
   returned: success
@@ -141,6 +185,32 @@ gpus:
   type: list
   elements: dict
   contains:
+    ready:
+      description: Whether this GPU passed every check; C(not_ready) is then empty.
+      type: bool
+      returned: success
+      sample: false
+    not_ready:
+      description:
+        - One entry per failed check, each with C(check), C(reason) and C(remedy). C(free) (used memory above
+          O(threshold_mib), with C(used_mib)), C(capacity) (with C(need_mib) and C(free_mib)), C(nvml) (the GPU
+          cannot be read), C(retired_pages), C(row_remap), C(ecc_mode) and C(recovery_action) (with the NVML
+          C(call)), C(device_access).
+      type: list
+      elements: dict
+      returned: success
+      sample: [{"check": "capacity", "need_mib": 129367, "free_mib": 98867,
+                "reason": "98,867 MiB free, 129,367 MiB needed (need_fraction 0.9 of 143,156 MiB ...)",
+                "remedy": "free the GPU (gpuops.fleet.gpu_release) or start the job with less memory"}]
+    health:
+      description:
+        - With O(health), each NVML health reading, with C(check), C(call), C(value) and C(state) (C(ok),
+          C(not_applicable), C(not_ready), C(unreadable)).
+      type: list
+      elements: dict
+      returned: when O(health) is true and the GPU could be read
+      sample: [{"check": "retired_pages", "call": "nvmlDeviceGetRetiredPagesPendingStatus", "value": null,
+                "state": "not_applicable"}]
     by_container:
       description:
         - Outside a container, the GPU's used MiB per container, from NVML's node view (the pid's container; a dead
@@ -553,6 +623,8 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
     GPU_COMMON_ARGS, check_common_params, check_libraries, check_shm_prefixes, engine_from_params, no_gpu_message,
 )
+from ansible_collections.gpuops.fleet.plugins.module_utils import _access as access
+from ansible_collections.gpuops.fleet.plugins.module_utils import _ready as ready
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
 
@@ -576,23 +648,58 @@ def start_engine(module, patterns):
     return engine, targets
 
 
+def check_need(module):
+    """Fail on a need that no GPU could mean, before anything is read."""
+    need_mib, fraction = module.params["need_mib"], module.params["need_fraction"]
+    if need_mib is not None and need_mib <= 0:
+        module.fail_json(msg="need_mib must be a positive number of MiB, got %r" % need_mib)
+    if fraction is not None and not 0 < fraction <= 1:
+        module.fail_json(msg="need_fraction must be above 0 and at most 1, got %r" % fraction)
+
+
+def add_readiness(module, engine, result):
+    """Each GPU's ready and not_ready (free, capacity, health, device access), and the top-level ready."""
+    params = module.params
+    access_reading = None
+    if params["device_access"] and engine.view != "node":
+        access_reading = access.read(engine.devices.dev_dir, [g["minor"] for g in result["gpus"] if g.get("minor") is not None])
+    for gpu in result["gpus"]:
+        health_entries = []
+        if params["health"] and not gpu.get("error"):
+            try:
+                gpu["health"], health_entries = ready.health(engine.nvml.health(gpu["index"]))
+            except NvmlFailure as exc:
+                health_entries = [ready.nvml_failure(exc.message, exc.kind)]
+        access_entries = ready.access(access_reading, gpu.get("minor")) if access_reading is not None else []
+        gpu["ready"], gpu["not_ready"] = ready.gpu_verdict(gpu, engine.threshold_mib, health_entries, access_entries,
+                                                           params["need_mib"], params["need_fraction"])
+    residue = bool(result.get("shm_residue")) or any((result.get("shm_residue_by_container") or {}).values())
+    result["ready"] = bool(result["gpus"]) and all(g["ready"] for g in result["gpus"]) and not residue
+
+
 def main():
     module = AnsibleModule(argument_spec=dict(GPU_COMMON_ARGS, shm_residue=dict(type="bool", default=True),
-                                              shm_prefixes=dict(type="list", elements="str", default=[])),
+                                              shm_prefixes=dict(type="list", elements="str", default=[]),
+                                              need_mib=dict(type="int"), need_fraction=dict(type="float"),
+                                              health=dict(type="bool", default=True),
+                                              device_access=dict(type="bool", default=True)),
+                           mutually_exclusive=[("need_mib", "need_fraction")],
                            supports_check_mode=True)
     patterns = check_common_params(module)
     prefixes = check_shm_prefixes(module)
+    check_need(module)
     check_libraries(module)
     engine, targets = start_engine(module, patterns)
     if module.params["shm_residue"]:
         engine.shm_prefixes = prefixes
     try:
         report = engine.snapshot(targets)
+        result = report.as_dict()
+        add_readiness(module, engine, result)
     except Exception as exc:
         engine.nvml.shutdown()
         module.fail_json(msg="gpu_status failed: %s" % exc, exception=traceback.format_exc())
     engine.nvml.shutdown()
-    result = report.as_dict()
     errors = report.errors
     if errors:
         msg = "; ".join("GPU %s%s: %s" % (g["index"], " (%s)" % g["uuid"] if g.get("uuid") else "", g["error"])

@@ -254,3 +254,59 @@ def test_legacy_nvml_host_pids_are_not_trusted(legacy_lab):
     assert [p["pid"] for p in g["nvml_processes"]] == [host_pid]   # NVML's host pid
     assert g["nvml_processes"][0]["status"] in ("not_visible", "not_holder")
     assert g["nvml_processes"][0]["matches_holder"] is False
+
+
+# ---- issue 21: readiness (capacity, health, device access)
+
+def test_readiness_names_capacity_health_and_their_remedies_and_clears_with_the_condition(lab, scene):
+    """ct102's GPUs are minors 4-7. Pending retired pages on minor 4 and a pending row remap on minor 5 make them not
+    ready with the reset remedy; need_mib above free memory gives the numbers; once cleared, both are ready, and
+    page retirement is not applicable (an H200 answers Not Supported), never a reason."""
+    lab.labctl("fault", "--node", "pve1", "--gpu", 4, "--health", "retired_pages_pending")
+    lab.labctl("fault", "--node", "pve1", "--gpu", 5, "--health", "row_remap_pending")
+    try:
+        play = lab.play("ct102", "gpu_status", {"gpus": [0, 1, 3], "need_mib": 140000, "cmdline": False})
+    finally:
+        for minor in (4, 5):
+            lab.labctl("fault", "--node", "pve1", "--gpu", minor, "--health", "none")
+    assert play.failed is False and play["ready"] is False, play
+    checks = dict((g["index"], dict((e["check"], e) for e in g["not_ready"])) for g in play["gpus"])
+    assert checks[0]["retired_pages"]["call"] == "nvmlDeviceGetRetiredPagesPendingStatus"
+    assert checks[0]["retired_pages"]["remedy"].startswith("reset the GPU")
+    assert checks[1]["row_remap"]["remedy"].startswith("reset the GPU") and "retired_pages" not in checks[1]
+    held = gpu(play, 3)
+    assert sorted(checks[3]) == ["capacity", "free"], held["not_ready"]
+    total = held["memory"]["total_mib"] - held["memory"]["reserved_mib"]
+    assert checks[3]["capacity"]["free_mib"] == total - held["memory"]["used_mib"] and held["memory"]["used_mib"] >= 4096
+    assert checks[3]["capacity"]["need_mib"] == 140000 and "140,000 MiB needed" in checks[3]["capacity"]["reason"]
+    assert all(g["ready"] is False for g in play["gpus"])
+    after = lab.play("ct102", "gpu_status", {"gpus": [1], "need_mib": 1000, "cmdline": False})
+    assert [e["check"] for e in gpu(after, 1)["not_ready"]] == ["free"], after["gpus"]  # ct101's tp_server holds it
+    states = dict((h["check"], h["state"]) for h in gpu(after, 1)["health"])
+    assert states == {"retired_pages": "not_applicable", "row_remap": "ok", "ecc_mode": "ok", "recovery_action": "ok"}
+
+
+def test_readiness_rejects_a_bad_need_before_reading(lab, scene):
+    play = lab.play("ct102", "gpu_status", {"need_fraction": 1.5})
+    assert play.failed and "need_fraction must be above 0 and at most 1, got 1.5" in play["msg"]
+    both = lab.play("ct102", "gpu_status", {"need_fraction": 0.5, "need_mib": 10})
+    assert both.failed and "mutually exclusive" in both["msg"]
+
+
+def test_a_device_file_that_does_not_open_makes_its_gpu_not_ready(lab, scene):
+    """ct102's /dev/nvidia5 (its GPU 1) covered by a file of a read-only tmpfs: it no longer opens read-write as CUDA
+    opens it, so GPU 1 is not ready, and GPU 2 (/dev/nvidia6) still opens. (A revoked device cgroup gives EPERM on a
+    real node; the lab's device files are files, so EROFS stands in for it.)"""
+    made = lab.exec(102, "sh", "-ec", "mkdir -p /run/rofs && mount -t tmpfs -o size=1m tmpfs /run/rofs && "
+                    "touch /run/rofs/nvidia5 && mount -o remount,ro /run/rofs && mount --bind /run/rofs/nvidia5 /dev/nvidia5")
+    assert made.returncode == 0, made.stdout
+    try:
+        play = lab.play("ct102", "gpu_status", {"gpus": [1, 2], "cmdline": False})
+    finally:
+        undone = lab.exec(102, "sh", "-ec", "umount /dev/nvidia5 && umount /run/rofs")
+    assert undone.returncode == 0, undone.stdout
+    entries = [e for e in gpu(play, 1)["not_ready"] if e["check"] == "device_access"]
+    assert play["ready"] is False and len(entries) == 1, play["gpus"]
+    assert entries[0]["reason"] == "/dev/nvidia5 does not open: Read-only file system (EROFS)", entries
+    assert "read-only" in entries[0]["remedy"]
+    assert [e for e in gpu(play, 2)["not_ready"] if e["check"] == "device_access"] == []

@@ -552,3 +552,30 @@ def test_predeploy_check_fails_on_shared_memory_residue_read_inside_or_from_the_
         assert quiet.rc == 0, quiet
     finally:
         lab.exec(202, "rm", "-f", "/dev/shm/sgl_shm_leak")
+
+
+@pytest.mark.parametrize("route", ["container", "auto"])
+def test_predeploy_check_fails_on_a_gpu_that_needs_a_reset_or_lacks_the_memory_asked(clean, route):
+    """Issue 21: pending retired pages on ct201's GPU 1 (pve2 minor 1) fail the check with the reset remedy, read in
+    the container or from its node; predeploy_need_mib above a GPU's memory fails every GPU with the numbers."""
+    lab = clean
+    lab.labctl("fault", "--node", "pve2", "--gpu", "1", "--health", "retired_pages_pending")
+    try:
+        result = lab.playbook("predeploy_check.yml", {"release_gpus_from": route, "predeploy_hosts": "ct201,ct202"})
+    finally:
+        lab.labctl("fault", "--node", "pve2", "--gpu", "1", "--health", "none")
+    lines = predeploy_lines(result.output)
+    assert result.rc == 2 and result.failed_hosts() == ["ct201"], (lines, result)
+    assert lines[0] == "PREDEPLOY FAIL: GPUs at fault: 1", lines
+    assert re.match(r"PREDEPLOY FAULT ct201: GPU 1 \(GPU-\S+\): not ready, retired_pages: retired pages are pending "
+                    r"\(nvmlDeviceGetRetiredPagesPendingStatus: 1\).*; remedy: reset the GPU from the node", lines[1]), lines
+    assert len(lines) == 2, lines
+    short = lab.playbook("predeploy_check.yml", {"release_gpus_from": route, "predeploy_hosts": "ct202",
+                                                 "predeploy_need_mib": 200000})
+    lines = predeploy_lines(short.output)
+    assert short.rc == 2 and lines[0] == "PREDEPLOY FAIL: GPUs at fault: 2", lines
+    assert all(re.search(r"not ready, capacity: [\d,]+ MiB free, 200,000 MiB needed \(need_mib 200,000 MiB\); remedy: ",
+                         line) for line in lines[1:]), lines
+    fits = lab.playbook("predeploy_check.yml", {"release_gpus_from": route, "predeploy_hosts": "ct202",
+                                                "predeploy_need_fraction": 0.9})
+    assert fits.rc == 0, predeploy_lines(fits.output)

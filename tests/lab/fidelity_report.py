@@ -39,6 +39,7 @@ SITUATION = {
     19: "TP=2, rank 1 SIGKILLed, rank 0 left running",
     20: "a bare PyTorch context",
     21: "2 NCCL ranks and an unrelated CUDA process, one parent",
+    29: "health calls on an idle GPU",
 }
 MULTI = range(9, 22)
 
@@ -64,6 +65,8 @@ FACT = {
     19: "GPU 1: 291 MiB used, no process; rank 0 alive, maps GPU 1 twice; free only when the job stops",
     20: "612 MiB for the pid, v2 `used` 620; 3 maps",
     21: "6 loopback TCP connections between the ranks, none with the other process; same group/session/parent",
+    29: "retired pages Not Supported (an H200 remaps rows); remapped rows [0, 0, 0, 0]; ECC on, none pending; "
+        "recovery action (field 230) 0",
 }
 
 
@@ -105,6 +108,11 @@ def kill(value):
 def values(n, m):
     """Short text of the measured values of row n."""
     g = m.get
+    if n == 29:
+        return "; ".join("GPU %s: retired pages %s, remapped rows %s, ECC %s, recovery action %s" % (
+            x["index"], (x["retired_pages_pending"] or {}).get("error") if isinstance(x["retired_pages_pending"], dict)
+            else x["retired_pages_pending"], x["remapped_rows"], x["ecc_mode"], x["recovery_action"])
+            for x in g("gpus") or [])
     if n >= 9:
         return multi_values(n, m)
     if n == 1:
@@ -243,12 +251,12 @@ def render(real, lab, real_path, lab_path, manual, real2=None, real2_path="-"):
         source(real2, "real 2x H200", real2_path),
         source(lab, "lab", lab_path),
         "",
-        "## One GPU (rows 1-8)",
+        "## One GPU (rows 1-8, 29)",
         "",
         "| # | situation | GPU_FACTS.md says | real H200 | real 2x H200 | lab |",
         "|---|---|---|---|---|---|",
     ]
-    for n in range(1, 9):
+    for n in list(range(1, 9)) + [29]:
         lines.append("| %d | %s | %s | %s | %s | %s |" % (
             n, SITUATION[n], FACT[n], cell(real, n), cell(real2, n), cell(lab, n)))
     lines += ["", "Row 2 timings differ by design: the lab frees within a few ms, the real driver in about",

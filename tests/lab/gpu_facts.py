@@ -56,6 +56,7 @@ ROWS = {
     19: "a dead TP rank leaves unlisted residue",
     20: "the size of a bare context",
     21: "a TP job is linked by loopback TCP",
+    29: "health calls: not applicable or nothing pending",
 }
 MULTI_GPU_ROWS = set(range(9, 22))
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -122,6 +123,10 @@ PLAN = {
          "SIGKILL rank 0: GPU 1 free (the whole job stopped)"],
     20: ["start a bare context on GPU 0 (cuda: torch.zeros(1); lab: the stray context of stray_context)",
          "assert its NVML MiB within 450-700 (518-612 measured); 3 map lines on its GPU"],
+    29: ["ask every GPU nvmlDeviceGetRetiredPagesPendingStatus, nvmlDeviceGetRemappedRows, nvmlDeviceGetEccMode and "
+         "field 230 (NVML_FI_DEV_GET_GPU_RECOVERY_ACTION) through nvmlDeviceGetFieldValues, with no workload",
+         "assert page retirement Not Supported (or nothing pending), no row remap pending or failed, ECC current == "
+         "pending, recovery action 0 (none)"],
     21: ["start tp_nccl on GPUs 0,1 and an unrelated CUDA holder (cuda: same parent, group, session)",
          "match socket inodes of /proc/PID/fd with /proc/PID/net/tcp{,6}: established loopback links",
          "assert >= 1 link rank0 <-> rank1, none with the unrelated holder or the launcher; no shared "
@@ -151,10 +156,30 @@ def nvml_read(index):
 def nvml_read_all():
     return [nvml_read(i) for i in range(pynvml.nvmlDeviceGetCount())]
 
+def health_one(call, *args):
+    try:
+        value = getattr(pynvml, call)(*args)
+    except pynvml.NVMLError as exc:
+        return {"error": str(exc), "code": exc.value}
+    if call == "nvmlDeviceGetFieldValues":
+        return {"ret": value[0].nvmlReturn, "value": value[0].value.uiVal}
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+def health_read_all():
+    out = []
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        out.append({"index": i, "retired_pages_pending": health_one("nvmlDeviceGetRetiredPagesPendingStatus", h),
+                    "remapped_rows": health_one("nvmlDeviceGetRemappedRows", h),
+                    "ecc_mode": health_one("nvmlDeviceGetEccMode", h),
+                    "recovery_action": health_one("nvmlDeviceGetFieldValues", h, [230])})
+    return out
+
 if __name__ == "__main__":
     pynvml.nvmlInit()
     try:
-        print(json.dumps(nvml_read_all() if sys.argv[1] == "all" else nvml_read(int(sys.argv[1]))))
+        print(json.dumps(nvml_read_all() if sys.argv[1] == "all" else health_read_all() if sys.argv[1] == "health"
+                         else nvml_read(int(sys.argv[1]))))
     finally:
         pynvml.nvmlShutdown()
 '''
@@ -862,6 +887,7 @@ class CudaBackend(Backend):
             19: [work.replace("SCENARIO", "tp_nccl") + " --devices 0,1"],
             20: [work.replace("SCENARIO", "bare_context") + " --devices 0"],
             21: [work.replace("SCENARIO", "tp_nccl") + " --devices 0,1 --bystander --bystander-gib 1"],
+            29: ["%s -c NVML_QUERY health" % sys.executable],
         }
         extra.update(multi)
         return extra[row]
@@ -1075,6 +1101,7 @@ class LabBackend(Backend):
             20: [run.replace("SCENARIO", "stray_context").replace("--gpus 0", "--gpus 1") + " (its GPU 0 context)"],
             21: [run.replace("SCENARIO", "tp_nccl").replace("--gpus 0", "--gpus 0,1"),
                  run.replace("SCENARIO", "plain") + " (the unrelated holder)"],
+            29: ["NVML_QUERY health with the stand-in library, from the node"],
         }
         return extra[row]
 
@@ -1739,9 +1766,24 @@ def row21(b, r):
         b.stop(w)
 
 
+def row29(b, r):
+    env = b.host_nvml_env() if b.name == "lab" else b.env()
+    gpus = json.loads(run_cmd([sys.executable, "-c", NVML_QUERY, "health"], 60, env=env).stdout.strip().splitlines()[-1])
+    r.measured["gpus"] = gpus
+    for g in gpus:
+        pages, rows, ecc, action = g["retired_pages_pending"], g["remapped_rows"], g["ecc_mode"], g["recovery_action"]
+        r.check("GPU %d: page retirement Not Supported or nothing pending" % g["index"],
+                (isinstance(pages, dict) and pages.get("code") == 3) or pages == 0, pages)
+        r.check("GPU %d: no row remap pending or failed" % g["index"],
+                isinstance(rows, list) and len(rows) == 4 and rows[2] == 0 and rows[3] == 0, rows)
+        r.check("GPU %d: ECC mode current == pending" % g["index"], isinstance(ecc, list) and ecc[0] == ecc[1], ecc)
+        r.check("GPU %d: recovery action (field 230) answered, 0" % g["index"],
+                isinstance(action, dict) and action.get("ret") == 0 and action.get("value") == 0, action)
+
+
 ROW_FUNCS = {1: row1, 2: row2, 3: row3, 4: row4, 5: row5, 6: row6, 7: row7, 8: row8, 9: row9, 10: row10,
              11: row11, 12: row12, 13: row13, 14: row14, 15: row15, 16: row16, 17: row17, 18: row18, 19: row19,
-             20: row20, 21: row21}
+             20: row20, 21: row21, 29: row29}
 
 
 # ---------------------------------------------------------------- main
@@ -1769,6 +1811,7 @@ def summary(r):
         19: ["residue_mib", "residue_mib_later", "gpu1_pids", "rank1_kill", "rank0_nodes_after"],
         20: ["bare_mib", "v2_used_delta_mib", "nodes"],
         21: ["link_count", "links", "other_links", "shared_shm"],
+        29: ["gpus"],
     }.get(r.number, [])
     if r.status == "SKIP":
         return r.skipped
@@ -1794,7 +1837,7 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", choices=["lab", "cuda"], required=True)
     p.add_argument("--json", help="write the results here")
-    p.add_argument("--rows", default="1-21", help="rows to run: '1-21', '9-21', '2,4'")
+    p.add_argument("--rows", default="1-21,29", help="rows to run: '1-21,29', '9-21', '2,4'")
     p.add_argument("--residue-wait", type=float, default=3.0, help="row 19: seconds rank 0 must outlive rank 1")
     p.add_argument("--dry-run", action="store_true", help="print the plan; start nothing")
     p.add_argument("--deadline", type=int, default=360, help="seconds for the whole run, then clean up and FAIL")

@@ -32,6 +32,11 @@ NS_GET_PARENT = 0xB702  # _IO(0xb7, 0x2)
 # hang: every call on the GPU; hang_memory / hang_procs: the memory / process-list call; no_v2: no v2 memory call
 FAULTS = ("none", "lost", "hang", "hang_memory", "hang_procs", "no_v2")
 INIT_FAULTS = ("none", "not_loaded", "hang")
+# Health conditions (several may hold at once); an H200 answers page retirement with Not Supported (row 29)
+# unless retired_pages_pending is set, as on a GPU that retires pages.
+HEALTH = ("retired_pages_pending", "row_remap_pending", "row_remap_failure", "ecc_pending", "reset_required",
+          "node_reboot_required", "drain_and_reset")
+RESET_KEEPS = ("row_remap_failure", "node_reboot_required")
 MAX_REQUEST = 65536
 FREE_DELAY_S = 0.15  # SIGKILL to memory back, measured 0.12-0.2 s (lab.json free_delay_s)
 RESIDUE_MIB = 291  # what linked peers keep on a dead rank's GPU (GPU_FACTS row 19)
@@ -277,6 +282,7 @@ class Driver:
         self.leaked = {}  # (node, minor) -> MiB
         self.faults = {}  # (node, minor) -> lost|hang
         self.init_faults = {}  # node -> not_loaded
+        self.health = {}  # (node, minor) -> sorted HEALTH conditions
         self._load_saved()
 
     # -- persistence: a restarted daemon keeps allocations, leaks and faults --
@@ -290,6 +296,7 @@ class Driver:
         self.leaked = {gpu_key(k): v for k, v in saved.get("leaked", {}).items()}
         self.faults = {gpu_key(k): v for k, v in saved.get("faults", {}).items()}
         self.init_faults = saved.get("init_faults", {})
+        self.health = {gpu_key(k): v for k, v in saved.get("health", {}).items()}
 
     def _save(self):
         data = {
@@ -297,6 +304,7 @@ class Driver:
             "leaked": {"%s/%d" % k: v for k, v in self.leaked.items()},
             "faults": {"%s/%d" % k: v for k, v in self.faults.items()},
             "init_faults": self.init_faults,
+            "health": {"%s/%d" % k: v for k, v in self.health.items()},
         }
         tmp = self.saved_path + ".tmp"
         with open(tmp, "w") as f:
@@ -506,6 +514,7 @@ class Driver:
             lines.append("DEV %d %d %s %s %d %d %d %s" % (
                 index, minor, gpu_uuid(rid, node, minor), pci_bus_id(minor),
                 TOTAL_MIB, RESERVED_MIB, used, fault))
+            lines.append("HEALTH %d %s" % (index, " ".join(self.health.get((node, minor), [])) or "none"))
             by_pid = {}
             for r in records:
                 if r.get("residue_of") is not None:
@@ -534,6 +543,7 @@ class Driver:
                     "used_mib": used, "reserved_mib": RESERVED_MIB, "v1_used_mib": used + RESERVED_MIB,
                     "leaked_mib": self.leaked.get((node, minor), 0),
                     "fault": self.faults.get((node, minor), "none"),
+                    "health": self.health.get((node, minor), []),
                     "visible_in": visible,
                     "nvml_pids": sorted({r["host_pid"] for r in records if r["host_pid"] is not None}),
                     "allocations": [allocation_view(r) for r in records],
@@ -627,6 +637,12 @@ class Driver:
                     "nvml_pids": listed}
         self.leaked.pop((node, minor), None)
         self.records = [r for r in self.records if not (r["node"] == node and r["minor"] == minor)]
+        # a reset applies what was pending; a failed remap and a reboot request stay
+        kept = [h for h in self.health.get((node, minor), []) if h in RESET_KEEPS]
+        if kept:
+            self.health[(node, minor)] = kept
+        else:
+            self.health.pop((node, minor), None)
         self._save()
         logging.info("reset node=%s minor=%d by pid=%d", node, minor, pid)
         return {"ok": True, "node": node, "minor": minor}
@@ -641,6 +657,15 @@ class Driver:
                 self.thaw_hung(node)
             else:
                 self.init_faults[node] = request["init"]
+        elif "health" in request:
+            minor = self._minor_arg(request)
+            health = request["health"]
+            if health != "none" and health not in HEALTH:
+                raise RequestError("health must be one of %s, or none" % ", ".join(HEALTH))
+            if health == "none":
+                self.health.pop((node, minor), None)
+            else:
+                self.health[(node, minor)] = sorted(set(self.health.get((node, minor), [])) | {health})
         else:
             minor = self._minor_arg(request)
             fault = request.get("fault")

@@ -97,12 +97,19 @@ typedef struct {
     char busId[32];
 } nvmlPciInfo_t; /* nvmlDeviceGetPciInfo_v3 */
 
+/* Health conditions the daemon names on a HEALTH line (labdriver.HEALTH). */
+enum {
+    H_RETIRED_PENDING = 1, H_REMAP_PENDING = 2, H_REMAP_FAILURE = 4, H_ECC_PENDING = 8,
+    H_RESET_REQUIRED = 16, H_NODE_REBOOT = 32, H_DRAIN_AND_RESET = 64,
+};
+
 /* One answer of the daemon's text snapshot. */
 typedef struct {
     unsigned int index, minor;
     char uuid[96], bus_id[32];
     unsigned long long total, reserved, used; /* MiB, used is v2 */
     int fault;
+    int health; /* H_* bits */
 } snap_dev_t;
 
 typedef struct {
@@ -248,6 +255,23 @@ static int fetch_snapshot(snapshot_t *s)
                        d->bus_id, &d->total, &d->reserved, &d->used, fault) == 8) {
                 d->fault = parse_fault(fault);
                 s->ndev++;
+            }
+        } else if (strncmp(line, "HEALTH ", 7) == 0) {
+            unsigned int index;
+            int used = 0;
+            if (sscanf(line + 7, "%u %n", &index, &used) >= 1 && used > 0) {
+                for (int i = 0; i < s->ndev; i++) {
+                    if (s->dev[i].index != index)
+                        continue;
+                    const char *w = line + 7 + used;
+                    s->dev[i].health |= (strstr(w, "retired_pages_pending") ? H_RETIRED_PENDING : 0) |
+                                        (strstr(w, "row_remap_pending") ? H_REMAP_PENDING : 0) |
+                                        (strstr(w, "row_remap_failure") ? H_REMAP_FAILURE : 0) |
+                                        (strstr(w, "ecc_pending") ? H_ECC_PENDING : 0) |
+                                        (strstr(w, "reset_required") ? H_RESET_REQUIRED : 0) |
+                                        (strstr(w, "node_reboot_required") ? H_NODE_REBOOT : 0) |
+                                        (strstr(w, "drain_and_reset") ? H_DRAIN_AND_RESET : 0);
+                }
             }
         } else if (strncmp(line, "PROC ", 5) == 0 && s->nproc < MAX_PROCS) {
             snap_proc_t *p = &s->proc[s->nproc];
@@ -782,4 +806,107 @@ EXPORT nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses(nvmlDevice_t h, unsign
 {
     (void)infos;
     return no_processes(h, count);
+}
+
+/* ---- health (what an H200 answers unless the lab sets a condition: docs/facts/health_h200.json) ---- */
+
+/* Reads one device's health bits through the usual fault checks; -1 on failure (ret set). */
+static int device_health(nvmlDevice_t h, nvmlReturn_t *ret)
+{
+    snapshot_t *s = NULL;
+    snap_dev_t *d = NULL;
+    *ret = device_truth(h, &s, &d);
+    if (*ret != NVML_SUCCESS)
+        return -1;
+    int bits = d->health;
+    free(s);
+    return bits;
+}
+
+/* An H200 remaps rows instead: Not Supported (GPU_FACTS row 29), unless the lab marks pages pending. */
+EXPORT nvmlReturn_t nvmlDeviceGetRetiredPagesPendingStatus(nvmlDevice_t h, int *isPending)
+{
+    nvmlReturn_t ret;
+    if (!isPending)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    int bits = device_health(h, &ret);
+    if (bits < 0)
+        return ret;
+    if (!(bits & H_RETIRED_PENDING))
+        return NVML_ERROR_NOT_SUPPORTED;
+    *isPending = 1;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetRemappedRows(nvmlDevice_t h, unsigned int *corrRows, unsigned int *uncRows,
+                                              unsigned int *isPending, unsigned int *failureOccurred)
+{
+    nvmlReturn_t ret;
+    if (!corrRows || !uncRows || !isPending || !failureOccurred)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    int bits = device_health(h, &ret);
+    if (bits < 0)
+        return ret;
+    *corrRows = 0;
+    *uncRows = (bits & (H_REMAP_PENDING | H_REMAP_FAILURE)) ? 1 : 0;
+    *isPending = (bits & H_REMAP_PENDING) ? 1 : 0;
+    *failureOccurred = (bits & H_REMAP_FAILURE) ? 1 : 0;
+    return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t h, int *current, int *pending)
+{
+    nvmlReturn_t ret;
+    if (!current || !pending)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    int bits = device_health(h, &ret);
+    if (bits < 0)
+        return ret;
+    *current = 1;
+    *pending = (bits & H_ECC_PENDING) ? 0 : 1;
+    return NVML_SUCCESS;
+}
+
+typedef struct {
+    unsigned int fieldId, scopeId;
+    long long timestamp, latencyUsec;
+    int valueType, nvmlReturn;
+    union {
+        double dVal;
+        unsigned int uiVal;
+        unsigned long ulVal;
+        unsigned long long ullVal;
+        long long sllVal;
+        int siVal;
+        unsigned short usVal;
+    } value;
+} nvmlFieldValue_t;
+
+#define FI_GPU_RECOVERY_ACTION 230
+
+/* Only the recovery action (field 230) is answered; any other field is Not Supported in its own return. */
+EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t h, int valuesCount, nvmlFieldValue_t *values)
+{
+    nvmlReturn_t ret;
+    if (valuesCount < 0 || (valuesCount > 0 && !values))
+        return NVML_ERROR_INVALID_ARGUMENT;
+    int bits = device_health(h, &ret);
+    if (bits < 0)
+        return ret;
+    struct timeval now;
+    gettimeofday(&now, NULL);
+    for (int i = 0; i < valuesCount; i++) {
+        nvmlFieldValue_t *v = &values[i];
+        v->timestamp = (long long)now.tv_sec * 1000000LL + now.tv_usec;
+        v->latencyUsec = 0;
+        v->value.ullVal = 0;
+        if (v->fieldId != FI_GPU_RECOVERY_ACTION) {
+            v->nvmlReturn = NVML_ERROR_NOT_SUPPORTED;
+            continue;
+        }
+        v->valueType = 1; /* unsigned int */
+        v->nvmlReturn = NVML_SUCCESS;
+        v->value.uiVal = (bits & H_NODE_REBOOT) ? 2 : (bits & H_DRAIN_AND_RESET) ? 4 : (bits & H_RESET_REQUIRED) ? 1 : 0;
+    }
+    return NVML_SUCCESS;
 }

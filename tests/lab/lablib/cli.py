@@ -76,6 +76,9 @@ def parser():
                     help="hang*: the call never returns and its thread is frozen (state D, SIGKILL pends) until "
                          "the fault is cleared; no_v2: the library has no v2 memory call")
     fa.add_argument("--init", choices=("not_loaded", "hang", "none"))
+    fa.add_argument("--health", choices=("retired_pages_pending", "row_remap_pending", "row_remap_failure", "ecc_pending",
+                                         "reset_required", "node_reboot_required", "drain_and_reset", "none"),
+                    help="add a health condition to --gpu MINOR (several may hold); none clears them")
     lk = sub.add_parser("leak", help="leave MiB used on a GPU with no process holding it")
     lk.add_argument("--node", required=True)
     lk.add_argument("--gpu", type=int, required=True, help="minor")
@@ -144,14 +147,16 @@ def main(argv):
             lab.config
             print(json.dumps(scenarios.gpus(lab, args.node), sort_keys=True))
         elif args.command == "fault":
-            if (args.fault is None) == (args.init is None):
+            if [args.fault, args.init, args.health].count(None) != 2:
                 raise LabError("fault takes --gpu MINOR --fault lost|hang|hang_memory|hang_procs|no_v2|none, "
-                               "or --init not_loaded|hang|none")
-            if args.fault is not None and args.gpu is None:
-                raise LabError("--fault needs --gpu MINOR")
+                               "--gpu MINOR --health CONDITION|none, or --init not_loaded|hang|none")
+            if (args.fault is not None or args.health is not None) and args.gpu is None:
+                raise LabError("--fault and --health need --gpu MINOR")
             request = {"op": "fault", "node": args.node}
             if args.fault is not None:
                 request.update(minor=args.gpu, fault=args.fault)
+            elif args.health is not None:
+                request.update(minor=args.gpu, health=args.health)
             else:
                 request["init"] = args.init
             print(json.dumps(scenarios.driver_request(lab, request)))

@@ -16,7 +16,8 @@ class NVMLError(Exception):
         self.value = value
 
     def __str__(self):
-        return {15: "GPU is lost", 9: "Driver Not Loaded", 12: "NVML Shared Library Not Found"}.get(self.value, "Unknown Error")
+        return {15: "GPU is lost", 9: "Driver Not Loaded", 12: "NVML Shared Library Not Found",
+                3: "Not Supported"}.get(self.value, "Unknown Error")
 
 
 class _Obj(object):
@@ -89,3 +90,21 @@ class FakeNvml(object):
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, handle):
         return []
+
+    # health: gpu["health"] is a set of the lab's conditions (labdriver.HEALTH); an H200 by default
+    def nvmlDeviceGetRetiredPagesPendingStatus(self, handle):
+        if "retired_pages_pending" not in self._dev(handle).get("health", ()):
+            raise NVMLError(3)
+        return 1
+
+    def nvmlDeviceGetRemappedRows(self, handle):
+        health = self._dev(handle).get("health", ())
+        return (0, int("row_remap_pending" in health), int("row_remap_pending" in health), int("row_remap_failure" in health))
+
+    def nvmlDeviceGetEccMode(self, handle):
+        return [1, 0 if "ecc_pending" in self._dev(handle).get("health", ()) else 1]
+
+    def nvmlDeviceGetFieldValues(self, handle, ids):
+        health = self._dev(handle).get("health", ())
+        action = 2 if "node_reboot_required" in health else 1 if "reset_required" in health else 0
+        return [_Obj(fieldId=i, nvmlReturn=0 if i == 230 else 3, value=_Obj(uiVal=action if i == 230 else 0)) for i in ids]

@@ -9,8 +9,8 @@ PLUGINS = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "plugins")
 PREFIX = "ansible_collections.gpuops.fleet.plugins.module_utils"
 
 LAYERS = {
-    "read": ("_helperproc", "_procscan", "_nvml", "_pveconf", "_node", "_redact", "_selectors"),
-    "evidence": ("_pinning", "_jobs", "_shm", "_gpu_engine"),
+    "read": ("_helperproc", "_procscan", "_nvml", "_pveconf", "_node", "_redact", "_selectors", "_access"),
+    "evidence": ("_pinning", "_jobs", "_shm", "_ready", "_gpu_engine"),
     "decide": ("_decide",),
     "act": ("_respawn", "_restart", "_units", "_release"),
 }

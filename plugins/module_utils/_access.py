@@ -11,22 +11,28 @@ are regular files, known by name.
 from __future__ import annotations
 
 import errno
+import inspect
+import json
 import os
 import re
 import stat as stat_mod
+import subprocess
 
-from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 
 SHARED_NODES = ("nvidiactl", "nvidia-uvm")
+CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def _minor_of(path, name):
+    """The GPU minor of a device file: 195:N (N < 254) by st_rdev; the lab's regular files by name."""
     try:
         st = os.stat(path)
     except OSError:
         return None
     if stat_mod.S_ISCHR(st.st_mode):
-        return procscan.rdev_gpu_minor(st)
+        minor = os.minor(st.st_rdev)
+        return minor if os.major(st.st_rdev) == 195 and minor < 254 else None
     match = re.match(r"^nvidia(\d+)$", name)
     return int(match.group(1)) if match and stat_mod.S_ISREG(st.st_mode) else None
 
@@ -69,3 +75,32 @@ def read(dev_dir, minors):
                 errors.append({"path": path, "error": "%s (%s)" % (error[1], error[0])})
         out["gpus"][minor] = {"paths": paths, "errors": errors}
     return out
+
+
+def _probe_source():
+    """read() and its helpers as a script for a container's python3: minors as argv[1] (JSON), JSON out."""
+    parts = ["import errno, json, os, re, stat as stat_mod, sys", "SHARED_NODES = %r" % (SHARED_NODES,)]
+    parts += [inspect.getsource(fn) for fn in (_minor_of, _open, read)]
+    parts.append("print(json.dumps(read('/dev', json.loads(sys.argv[1]))))")
+    return "\n".join(parts)
+
+
+def read_in_container(vmid, minors, timeout=30.0, attach="lxc-attach"):
+    """read() run inside container vmid (its own device cgroup and /dev) through lxc-attach, as pct exec does,
+    with its python3. Returns (reading, None) or (None, why)."""
+    argv = [attach, "-n", str(vmid), "--clear-env", "--set-var", "PATH=" + CONTAINER_PATH, "--",
+            "python3", "-c", _probe_source(), json.dumps(sorted(set(minors)))]
+    try:
+        rc, out = helperproc.run_bounded(argv, timeout)
+    except subprocess.TimeoutExpired:
+        return None, "lxc-attach to container %s did not end within %ss" % (vmid, timeout)
+    except OSError as exc:
+        return None, "%s: %s" % (attach, exc.strerror or exc)
+    try:
+        reading = json.loads(out.strip().splitlines()[-1]) if rc == 0 else None
+    except (ValueError, IndexError):
+        reading = None
+    if reading is None:
+        return None, "exit %d: %s" % (rc, " ".join(out.split())[:300] or "no output")
+    reading["gpus"] = dict((int(minor), gpu) for minor, gpu in reading["gpus"].items())
+    return reading, None

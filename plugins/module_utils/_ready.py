@@ -134,6 +134,12 @@ def access(reading, minor):
     return out
 
 
+def access_unread(why):
+    """The entry of a container whose device access could not be read from its node."""
+    return {"check": "device_access", "reason": "device access could not be read inside the container: %s" % why,
+            "remedy": "check that the container runs and has python3, then run gpu_status inside it"}
+
+
 def _access_remedy(error, path):
     if "EPERM" in error or "EACCES" in error:
         return "the container's device access was revoked (a systemctl daemon-reload on the node can do it): " \

@@ -94,7 +94,9 @@ options:
       - In a container or on a host that is not a Proxmox node, open each selected GPU's device files (found by
         their device number), C(nvidiactl) and C(nvidia-uvm), read and write as CUDA opens them, and close them; one
         that does not open makes the GPU not ready (check C(device_access)).
-      - Not read from a Proxmox node, where access is each container's own.
+      - From a Proxmox node, read inside each running container a selected GPU is passed into (through
+        C(lxc-attach), with the container's C(python3)), since access is each container's own (its device cgroup
+        and C(/dev)); such an entry names its C(vmid).
     type: bool
     default: true
 seealso:
@@ -195,7 +197,7 @@ gpus:
         - One entry per failed check, each with C(check), C(reason) and C(remedy). C(free) (used memory above
           O(threshold_mib), with C(used_mib)), C(capacity) (with C(need_mib) and C(free_mib)), C(nvml) (the GPU
           cannot be read), C(retired_pages), C(row_remap), C(ecc_mode) and C(recovery_action) (with the NVML
-          C(call)), C(device_access).
+          C(call)), C(device_access) (from a node, with the C(vmid) it was read in).
       type: list
       elements: dict
       returned: success
@@ -624,6 +626,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
     GPU_COMMON_ARGS, check_common_params, check_libraries, check_shm_prefixes, engine_from_params, no_gpu_message,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils import _access as access
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _ready as ready
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
@@ -657,12 +660,15 @@ def check_need(module):
         module.fail_json(msg="need_fraction must be above 0 and at most 1, got %r" % fraction)
 
 
-def add_readiness(module, engine, result):
+def add_readiness(module, engine, report, result):
     """Each GPU's ready and not_ready (free, capacity, health, device access), and the top-level ready."""
     params = module.params
     access_reading = None
+    node_access = {}
     if params["device_access"] and engine.view != "node":
         access_reading = access.read(engine.devices.dev_dir, [g["minor"] for g in result["gpus"] if g.get("minor") is not None])
+    elif params["device_access"]:
+        node_access = container_access(engine, report.scan, result["gpus"])
     for gpu in result["gpus"]:
         health_entries = []
         if params["health"] and not gpu.get("error"):
@@ -671,10 +677,26 @@ def add_readiness(module, engine, result):
             except NvmlFailure as exc:
                 health_entries = [ready.nvml_failure(exc.message, exc.kind)]
         access_entries = ready.access(access_reading, gpu.get("minor")) if access_reading is not None else []
+        for vmid in sorted(set(gpu.get("passed_into") or []) & set(node_access)):
+            reading, why = node_access[vmid]
+            found = ready.access(reading, gpu.get("minor")) if reading is not None else [ready.access_unread(why)]
+            access_entries += [dict(entry, vmid=vmid, reason="container %s: %s" % (vmid, entry["reason"])) for entry in found]
         gpu["ready"], gpu["not_ready"] = ready.gpu_verdict(gpu, engine.threshold_mib, health_entries, access_entries,
                                                            params["need_mib"], params["need_fraction"])
     residue = bool(result.get("shm_residue")) or any((result.get("shm_residue_by_container") or {}).values())
     result["ready"] = bool(result["gpus"]) and all(g["ready"] for g in result["gpus"]) and not residue
+
+
+def container_access(engine, scan, gpus):
+    """From a node: {vmid: (reading, why)} of device access read inside each running container that a selected GPU
+    is passed into (its own device cgroup and /dev, through lxc-attach)."""
+    running = node.container_inits(engine.proc_root, scan)
+    minors = {}
+    for gpu in gpus:
+        for vmid in gpu.get("passed_into") or []:
+            if str(vmid) in running and gpu.get("minor") is not None:
+                minors.setdefault(vmid, set()).add(gpu["minor"])
+    return dict((vmid, access.read_in_container(vmid, minors[vmid])) for vmid in sorted(minors))
 
 
 def main():
@@ -695,7 +717,7 @@ def main():
     try:
         report = engine.snapshot(targets)
         result = report.as_dict()
-        add_readiness(module, engine, result)
+        add_readiness(module, engine, report, result)
     except Exception as exc:
         engine.nvml.shutdown()
         module.fail_json(msg="gpu_status failed: %s" % exc, exception=traceback.format_exc())

@@ -1,4 +1,4 @@
-"""GPU_FACTS.md rows 1-21 in the lab, through tests/lab/gpu_facts.py.
+"""GPU_FACTS.md rows 1-21 and 29 in the lab, through tests/lab/gpu_facts.py.
 
 - the lab backend (labctl workloads in containers, NVML stand-in) passes every row, with the
   table's values: 3/2 map lines, per-GPU NVML lists, TP residue, TCP links, the free delay;
@@ -61,6 +61,9 @@ def lab_id():
     assert not os.path.exists("/run/gpuops-lab/%s" % rid), "lab %s left behind" % rid
 
 
+ALL_ROWS = list(range(1, 22)) + [29]
+
+
 def rows_of(doc):
     return {r["row"]: r for r in doc["rows"]}
 
@@ -72,12 +75,15 @@ def test_lab_backend_every_row_passes(lab_id, tmp_path):
     # driver's own timing is test_lab_driver.py's
     proc = run_facts(["--backend", "lab", "--lab-id", lab_id, "--json", str(out), "--grace-ms", "2000"])
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    for n in range(1, 22):
+    for n in ALL_ROWS:
         assert "row %d PASS" % n in proc.stdout
     doc = json.loads(out.read_text())
     assert doc["ok"] and doc["backend"] == "lab" and doc["driver_version"] and doc["gpu_name"] == "NVIDIA H200"
     rows = rows_of(doc)
-    assert sorted(rows) == list(range(1, 22))
+    assert sorted(rows) == ALL_ROWS
+    # row 29: the stand-in answers the health calls as the H200 did (docs/facts/health_h200.json)
+    assert [(g["retired_pages_pending"].get("code"), g["remapped_rows"], g["ecc_mode"], g["recovery_action"])
+            for g in rows[29]["measured"]["gpus"]] == [(3, [0, 0, 0, 0], [1, 1], {"ret": 0, "value": 0})] * 2
     assert all(r["status"] == "PASS" and r["checks"] for r in rows.values())
     # the measured values are the table's, not just "PASS"
     assert rows[1]["measured"]["floor_mib"] == 615 and rows[1]["measured"]["v2_used_mib"] == 0
@@ -212,7 +218,7 @@ def test_cuda_dry_run_prints_the_plan_and_starts_nothing():
     before = set(workload_pids())
     proc = run_facts(["--backend", "cuda", "--dry-run", "--row2-gib", "1,16,64,120"], timeout=30)
     assert proc.returncode == 0, proc.stderr
-    for n in range(1, 22):
+    for n in ALL_ROWS:
         assert "row %d: %s" % (n, gpu_facts.ROWS[n]) in proc.stdout
     assert "tp_nccl --gib 4.0" in proc.stdout and "CUDA_VISIBLE_DEVICES=1 " in proc.stdout
     assert "unshare --pid --fork --mount-proc" in proc.stdout and "--gib 120.0" in proc.stdout

@@ -481,3 +481,23 @@ def test_clean_shm_removes_only_residue_from_the_node_and_inside_and_check_mode_
         assert _shm_names(clean, 102) == ["PostgreSQL.1"]
     finally:
         clean.exec(102, "sh", "-c", "rm -f /dev/shm/nccl-leak /dev/shm/PostgreSQL.1 /dev/shm/sgl_live")
+
+
+def test_device_access_is_read_inside_each_container_from_the_node(clean):
+    """Issue 21: from the node, device access is read in each running container a GPU is passed into (its own /dev,
+    through lxc-attach): ct101's /dev/nvidia1 covered by a read-only file fails GPU 1 for container 101 only; GPU 0
+    (in 101 and the unprivileged 102) and GPU 2 (in 103) open everywhere."""
+    made = clean.exec(101, "sh", "-ec", "mkdir -p /run/rofs && mount -t tmpfs -o size=1m tmpfs /run/rofs && "
+                      "touch /run/rofs/nvidia1 && mount -o remount,ro /run/rofs && mount --bind /run/rofs/nvidia1 /dev/nvidia1")
+    assert made.returncode == 0, made.stdout
+    try:
+        play = clean.play("pve1", "gpu_status", {"cmdline": False})
+    finally:
+        undone = clean.exec(101, "sh", "-ec", "umount /dev/nvidia1 && umount /run/rofs")
+    assert undone.returncode == 0, undone.stdout
+    assert play["view"] == "node" and not play.failed, play
+    access = dict((g["minor"], [e for e in g["not_ready"] if e["check"] == "device_access"]) for g in play["gpus"])
+    assert access[0] == [] and access[2] == [], access
+    assert [(e["vmid"], e["reason"]) for e in access[1]] == [
+        (101, "container 101: /dev/nvidia1 does not open: Read-only file system (EROFS)")], access
+    assert play["ready"] is False

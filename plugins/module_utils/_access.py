@@ -21,6 +21,8 @@ import subprocess
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 
 SHARED_NODES = ("nvidiactl", "nvidia-uvm")
+DRM_REFCNT = "/sys/module/nvidia_drm/refcnt"
+DRM_REFCNT_ENV = "GPUOPS_NVIDIA_DRM_REFCNT"  # another file to read instead (the lab's stand-in)
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -104,3 +106,13 @@ def read_in_container(vmid, minors, timeout=30.0, attach="lxc-attach"):
         return None, "exit %d: %s" % (rc, " ".join(out.split())[:300] or "no output")
     reading["gpus"] = dict((int(minor), gpu) for minor, gpu in reading["gpus"].items())
     return reading, None
+
+
+def read_drm_refcount():
+    """nvidia_drm's module reference count (a display stack holds the driver above 0); 0 when not loaded."""
+    path = os.environ.get(DRM_REFCNT_ENV) or DRM_REFCNT
+    try:
+        with open(path) as handle:
+            return int(handle.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0

@@ -542,6 +542,19 @@ class Nvml(object):
                     entry["used_mib"] = (entry["used_mib"] or 0) + mib
         return [found[pid] for pid in sorted(found)]
 
+    def mode(self, index, call):
+        """A mode NVML reports for one GPU (persistence: nvmlDeviceGetPersistenceMode, MIG: nvmlDeviceGetMigMode,
+        its current mode): 1 on, 0 off, not supported or failing to answer (a lost GPU raises)."""
+        try:
+            value = self._gpu_call(index, call, call, self.handle(index))
+        except NvmlFailure as exc:
+            if exc.kind in ("hang", "lost"):
+                raise
+            return 0
+        if isinstance(value, (list, tuple)):
+            value = value[0] if value else 0
+        return 1 if value else 0
+
     def health(self, index):
         """What the driver says of one GPU's health: [{check, call, value, code, error}], value None with the
         code when the call failed (code 3 or 13: not applicable here). A lost or hung GPU raises NvmlFailure."""

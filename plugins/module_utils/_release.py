@@ -18,7 +18,9 @@ import subprocess
 import concurrent.futures
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _blockers as blockers
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
+from ansible_collections.gpuops.fleet.plugins.module_utils._access import read_drm_refcount
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
@@ -314,8 +316,13 @@ class Releaser(object):
                  log=None, check_mode=False, lock_dir=LOCK_DIR, nvidia_smi=None, poll_s=POLL_S,
                  collateral="refuse", collateral_tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB, scope=None, shared_gpu="all",
                  container_restart=False, restart_backend=None, container_timeout=60.0, stop_found_units=False,
-                 stop_timeout=60.0, stop_concurrency=1):
+                 stop_timeout=60.0, stop_concurrency=1, reset_blockers="refuse"):
         self.engine = engine
+        self.reset_mode = reset_blockers
+        self.reset_blockers = []  # blockers.plan's, with gpu_reset on a node
+        self.reset_services = []  # the daemons' services to stop and start again (stop_services)
+        self.reset_persistence = []  # indexes whose persistence mode is turned off for the reset
+        self.reset_steps = []     # each stop, persistence change and start, with its outcome
         self.stop_concurrency = stop_concurrency
         self.stop_found_units = stop_found_units
         self.stop_timeout = stop_timeout
@@ -845,11 +852,79 @@ class Releaser(object):
                 return "timeout"
             time.sleep(self.poll_s)
 
+    def plan_reset(self, report):
+        """With gpu_reset on a node: what would block a reset of the targets (self.reset_blockers), and the
+        refusals that stop the release before anything is signalled."""
+        if not self.gpu_reset or self.engine.view != "node":
+            return []
+        readings = {"persistence": {}, "mig": {}, "services": {}, "drm_refcount": read_drm_refcount()}
+        for index in self.targets:
+            readings["persistence"][index] = self.engine.nvml.mode(index, "nvmlDeviceGetPersistenceMode")
+            readings["mig"][index] = self.engine.nvml.mode(index, "nvmlDeviceGetMigMode")
+        for record in list(report.holders) + list(report.clients) + list(report.protected_holders):
+            if record.get("protected_name") in blockers.DAEMONS:
+                readings["services"][record["pid"]] = units.node_service(record, self.proc_root)
+        self.reset_blockers, refusals = blockers.plan(report, self.targets, readings, self.reset_mode, self.engine.gpus)
+        if self.reset_mode == "stop_services":
+            seen = set()
+            for pid, service in sorted(readings["services"].items()):
+                if service is not None and service["name"] not in seen:
+                    seen.add(service["name"])
+                    self.reset_services.append(dict(service, pid=pid))
+            self.reset_persistence = sorted(i for i, on in readings["persistence"].items() if on)
+        return refusals
+
+    def _step(self, step, target, outcome):
+        self.reset_steps.append({"step": step, "target": target, "ok": outcome["ok"], "outcome": outcome["text"]})
+        self.log("gpuops.fleet.gpu_release: %s %s: %s" % (step, target, outcome["text"]))
+        return outcome["ok"]
+
+    def _persistence(self, gpu, mode, smi):
+        target = "GPU %d (%s)" % (gpu["index"], gpu.get("uuid") or "?")
+        if smi is None:
+            return self._step("persistence_%s" % ("on" if mode else "off"), target,
+                              {"ok": False, "text": "nvidia-smi not found"})
+        return self._step("persistence_%s" % ("on" if mode else "off"), target, units.run_on_node(
+            [smi, "-i", gpu.get("pci_bus_id") or str(gpu["index"]), "-pm", str(mode)], 30.0))
+
+    def _restore_after_reset(self, turned_off, smi):
+        """Persistence mode back on where it was turned off, the stopped services started again; a failure is the
+        task's failure, never hidden."""
+        failed = []
+        for gpu in turned_off:
+            if not self._persistence(gpu, 1, smi):
+                failed.append("persistence mode of GPU %d was not restored" % gpu["index"])
+        for service in self.reset_services:
+            if not self._step("start", "%s %s" % (service["kind"], service["name"]),
+                              units.run_on_node(service["start"], self.stop_timeout)):
+                failed.append("%s %s did not start again: %s" % (service["kind"], service["name"], self.reset_steps[-1]["outcome"]))
+        if failed:
+            self.failure = "after the reset: %s" % "; ".join(failed)
+
     def _reset(self):
-        """nvidia-smi --gpu-reset for each targeted GPU still used; refused while anything holds it."""
+        """nvidia-smi --gpu-reset for each targeted GPU still used; refused while anything holds it. With
+        reset_blockers: stop_services, the daemons' services are stopped first and persistence mode is turned off,
+        both restored after."""
         self._set_rung("reset")
         report = self.snapshot()
         smi = self.nvidia_smi or find_nvidia_smi()
+        if not [g for g in report.gpus if not g["free"] and not g.get("error")]:
+            return
+        turned_off = []
+        if self.reset_services or self.reset_persistence:
+            for service in self.reset_services:
+                self._step("stop", "%s %s" % (service["kind"], service["name"]),
+                           units.run_on_node(service["stop"], self.stop_timeout))
+            for gpu in report.gpus:
+                if gpu["index"] in self.reset_persistence and self._persistence(gpu, 0, smi):
+                    turned_off.append(gpu)
+            report = self.snapshot()
+        try:
+            self._reset_each(report, smi)
+        finally:
+            self._restore_after_reset(turned_off, smi)
+
+    def _reset_each(self, report, smi):
         for gpu in report.gpus:
             if gpu["free"] or gpu.get("error"):
                 continue
@@ -1141,7 +1216,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                         container_restart=opts.get("container_restart", False),
                         restart_backend=opts.get("restart_backend"), container_timeout=opts.get("container_timeout", 60.0),
                         stop_found_units=opts.get("stop_found_units", False), stop_timeout=opts.get("stop_timeout", 60.0),
-                        stop_concurrency=opts.get("stop_concurrency", 1))
+                        stop_concurrency=opts.get("stop_concurrency", 1),
+                        reset_blockers=opts.get("reset_blockers", "refuse"))
 
     def own():
         return releaser.scope if releaser.own_only else None
@@ -1154,7 +1230,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
               "lock_acquired_at": None,
               "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
               "collateral": [], "jobs": [], "linked": [], "nvml_stale": [], "unknown_gpus": [], "restart_plan": [],
-              "per_container": [], "found_units": [], "reads": {"fast": 0, "full": 0}, "view": engine.view,
+              "per_container": [], "found_units": [], "reset_blockers": [], "reset_steps": [], "reads": {"fast": 0, "full": 0}, "view": engine.view,
               "scope": None if releaser.scope is None else {"containers": sorted(int(c) for c in releaser.scope.containers),
                                                             "host_processes": releaser.scope.host_processes}}
 
@@ -1179,6 +1255,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         result["per_container"] = sorted(per_container(before, after, releaser, refused) + skipped_entries(skipped)
                                          + refused_entries(refused), key=lambda entry: entry["vmid"])
         result["found_units"] = releaser.found_units
+        result["reset_blockers"] = releaser.reset_blockers
+        result["reset_steps"] = releaser.reset_steps
         result["reads"] = dict(releaser.reads)
         for skip in releaser.skipped:
             result["diagnosis"].append("pid %d (%s) holds a targeted GPU but was not signalled: %s"
@@ -1240,6 +1318,11 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             msg = ("every targeted GPU is already free" + estimate if before.all_free else
                    "nothing of %s holds the targeted GPUs (shared_gpu: own)" % releaser.scope.describe())
             return with_shm(before, *finish(False, msg, before, before))
+        reset_refusals = releaser.plan_reset(before)
+        if reset_refusals:
+            result["diagnosis"] = list(before.diagnosis)
+            return finish(True, "gpu_reset: a reset would be blocked (reset_blockers: %s), nothing was signalled: %s"
+                          % (releaser.reset_mode, " | ".join(reset_refusals)), before, None)
         releaser.prepare(before)
         _leave_out_refused(releaser, before, refused)
         if releaser.refusals:

@@ -13,6 +13,7 @@ No AnsibleModule here.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 
@@ -97,6 +98,59 @@ def find(record, proc_root="/proc"):
                 "argv": ["supervisorctl"] + (["-c", conf] if conf else []) + ["stop", full],
                 "evidence": "pid %d runs under supervisord (pid %d on the node) as program %s" % (pid, parent_pid, full)}
     return None
+
+
+def node_service(record, proc_root="/proc"):
+    """The node's own service manager entry of a daemon running on the node (not in a container): systemd (its
+    cgroup is system.slice/NAME.service) or a supervisord program. A dict kind, name, stop, start (argv run on
+    the node), evidence; or None."""
+    if record.get("container") not in (None, node.HOST):
+        return None
+    unit = respawn.service_unit(record.get("cgroup"))
+    if unit and _UNIT_RE.match(unit):
+        return {"kind": "systemd", "name": unit, "stop": ["systemctl", "stop", unit], "start": ["systemctl", "start", unit],
+                "evidence": "its cgroup is %s" % record.get("cgroup")}
+    parent = procscan.read_stat(record.get("ppid") or 0, proc_root) if record.get("ppid") else None
+    if parent is None or parent["comm"] != "supervisord":
+        return None
+    env = procscan.read_environ(record["pid"], proc_root, ("SUPERVISOR_PROCESS_NAME", "SUPERVISOR_GROUP_NAME"))
+    name = env.get("SUPERVISOR_PROCESS_NAME")
+    group = env.get("SUPERVISOR_GROUP_NAME") or name
+    if not name or not _PROGRAM_RE.match(name) or not _PROGRAM_RE.match(group):
+        return None
+    conf = supervisord_config(record["ppid"], proc_root)
+    ctl = [supervisorctl_of(record["ppid"], proc_root)] + (["-c", conf] if conf else [])
+    full = "%s:%s" % (group, name)
+    return {"kind": "supervisord", "name": full, "stop": ctl + ["stop", full], "start": ctl + ["start", full],
+            "evidence": "pid %d runs under supervisord (pid %d) as program %s" % (record["pid"], record["ppid"], full)}
+
+
+def supervisorctl_of(pid, proc_root):
+    """The supervisorctl beside a supervisord's own script (a virtualenv's bin), else the one on PATH."""
+    try:
+        argv = [a.decode("utf-8", "replace") for a in procscan.read_bytes("%s/%d/cmdline" % (proc_root, pid)).split(b"\0")]
+    except OSError:
+        argv = []
+    for arg in argv[:2]:
+        if arg.endswith("/supervisord"):
+            sibling = arg[:-len("supervisord")] + "supervisorctl"
+            if os.path.isfile(sibling):
+                return sibling
+    return "supervisorctl"
+
+
+def run_on_node(argv, timeout):
+    """{"ok", "text"} of a service manager's command on the node; never raises for the command's own failure."""
+    try:
+        rc, out = helperproc.run_bounded(argv, timeout)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "text": "did not end within %ss" % timeout}
+    except OSError as exc:
+        return {"ok": False, "text": "%s: %s" % (argv[0], exc.strerror or exc)}
+    text = " ".join(out.split())[:300]
+    if rc != 0:
+        return {"ok": False, "text": "exit %d: %s" % (rc, text or "no output")}
+    return {"ok": True, "text": text or "done"}
 
 
 def found_for(records, proc_root="/proc"):

@@ -106,6 +106,20 @@ options:
         C(/usr/local/sbin), C(/usr/local/bin), C(/usr/local/nvidia/bin), C(/usr/sbin), C(/usr/bin), C(/sbin), C(/bin).
     type: bool
     default: false
+  reset_blockers:
+    description:
+      - With O(gpu_reset) on a Proxmox node, what to do about what would block the reset, listed before anything is
+        signalled (RV(reset_blockers)) - the user holders (the ladder signals them first), NVML clients (monitors),
+        the driver's daemons (C(nvidia-persistenced), C(nv-hostengine), C(dcgm-exporter), C(nv-fabricmanager), which
+        serve every GPU of the node), persistence mode, C(nvidia_drm) in use, MIG mode.
+      - C(refuse) fails before anything is signalled when any but a user holder is found, naming them all.
+      - C(stop_services) stops each daemon through its service manager (systemd, or supervisord), never by signal,
+        and turns persistence mode off (C(nvidia-smi -pm 0)), once the ladder leaves a GPU to reset; after the reset
+        it restores persistence mode and starts the daemons again, each step in RV(reset_steps); a restart that fails
+        fails the task. A monitor, a daemon under no service manager, C(nvidia_drm) in use and MIG mode still refuse.
+    type: str
+    choices: [refuse, stop_services]
+    default: refuse
   reset_timeout:
     description:
       - Seconds the reset itself (C(nvidia-smi --gpu-reset)) may take, and then how long to wait for the GPU to read
@@ -602,6 +616,24 @@ shm_left:
   type: list
   elements: dict
   sample: []
+reset_blockers:
+  description:
+    - With O(gpu_reset) on a node, what would block a reset of the targeted GPUs, each with C(kind) (C(user_holder),
+      C(nvml_client), C(daemon), C(persistence_mode), C(nvidia_drm), C(mig_mode)), C(what), C(gpus) (the indexes it
+      blocks; a daemon serves every GPU of the node) and C(action) (what is done about it, or C(refused)).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"kind": "daemon", "what": "pid 812 (nvidia-persistenced), a daemon that serves every GPU of the node: 0 (GPU-...)",
+            "gpus": [0, 1], "action": "stop supervisord nvidia-persistenced:nvidia-persistenced, start it again after the reset"}]
+reset_steps:
+  description:
+    - With O(reset_blockers=stop_services), each step around the reset in order (C(stop), C(persistence_off),
+      C(persistence_on), C(start)), with C(target), C(ok) and C(outcome).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"step": "stop", "target": "systemd nvidia-persistenced.service", "ok": true, "outcome": "done"}]
 found_units:
   description:
     - With O(stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd),
@@ -702,6 +734,7 @@ def main():
         kill_timeout=dict(type="float", default=10.0),
         verify_timeout=dict(type="float", default=30.0),
         gpu_reset=dict(type="bool", default=False),
+        reset_blockers=dict(type="str", choices=["refuse", "stop_services"], default="refuse"),
         reset_timeout=dict(type="float", default=120.0),
         lock_timeout=dict(type="float", default=60.0),
         timeout=dict(type="float", default=180.0),
@@ -773,7 +806,7 @@ def main():
         if no_gpu:
             module.fail_json(msg=no_gpu + "; nothing was signalled", changed=False)
         names = ("term_timeout", "kill_timeout", "verify_timeout", "gpu_reset", "reset_timeout", "lock_timeout", "timeout",
-                 "collateral", "collateral_tolerance_mib")
+                 "collateral", "collateral_tolerance_mib", "reset_blockers")
         options = dict((k, params[k]) for k in names)
         options.update(match=match, protect=protect, scope=scope, shared_gpu=params["shared_gpu"],
                        container_restart=params["container_restart"], container_timeout=params["container_timeout"],

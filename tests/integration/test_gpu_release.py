@@ -377,3 +377,55 @@ def test_two_containers_sharing_a_gpu_release_only_their_own(clean):
     assert not host_alive(mine["holders"][0]) and host_alive(theirs["holders"][0])
     assert lab.used(4) == 768
     assert "768 MiB is used by no process visible here; look from the node" in play["msg"]
+
+
+SUPERVISORCTL = [os.path.join(REPO, ".venv", "bin", "supervisorctl"), "-c", "/run/supervisor/supervisord.conf"]
+
+
+def node_persistenced(lab, action):
+    return lab.labctl("node-exec", "--node", "pve1", "--", *(SUPERVISORCTL + [action, "nvidia-persistenced"]), parse=False)
+
+
+def test_reset_blockers_are_named_and_stop_services_clears_the_daemon_and_persistence(clean):
+    """Issue 21: leaked memory on GPU 3 (minor 3) needs a reset; the node's nvidia-persistenced (under supervisord)
+    holds every GPU, a monitor in ct101 holds GPU 3 open, persistence mode is on. The default refuses before
+    anything, naming all three; stop_services refuses on the monitor alone (not a service); without the monitor it
+    stops the daemon, turns persistence off, resets, and restores both, each step recorded."""
+    lab = clean
+    uuid = lab.truth()[3]["uuid"]
+    lab.run("leaked", 101, [3], mib=1000)
+    monitor = lab.run("monitor", 101)
+    node_persistenced(lab, "start")
+    lab.labctl("fault", "--node", "pve1", "--gpu", "3", "--persistence", "on")
+    try:
+        args = dict(FAST, gpus=[uuid], containers=[101], gpu_reset=True)
+        refused = lab.play("pve1", "gpu_release", args)
+        assert refused.failed and refused["actions"] == [] and lab.used(3) == 1000, refused
+        assert refused["msg"].startswith("gpu_reset: a reset would be blocked (reset_blockers: refuse), nothing was signalled")
+        kinds = sorted(set(b["kind"] for b in refused["reset_blockers"] if b["action"] == "refused"))
+        assert kinds == ["daemon", "nvml_client", "persistence_mode"], refused["reset_blockers"]
+        daemon = [b for b in refused["reset_blockers"] if b["kind"] == "daemon"][0]
+        assert "(nvidia-persistenced), a daemon that serves every GPU of the node" in daemon["what"]
+        assert daemon["gpus"] == list(range(8))
+        monitor_pid = monitor["roles"]["monitor"]
+        node_pid = dict(zip(monitor["host_pids"], monitor["node_pids"]))[monitor_pid]   # the module reads the node
+        assert "pid %d (" % node_pid in refused["msg"] and "nvidia-persistenced" in refused["msg"], refused["msg"]
+        services = lab.play("pve1", "gpu_release", dict(args, reset_blockers="stop_services"))
+        assert services.failed and services["actions"] == [] and services["reset_steps"] == [], services
+        assert "not a service and never signalled" in services["msg"] and "nvidia-persistenced" not in services["msg"]
+        stop = [b for b in services["reset_blockers"] if b["kind"] == "daemon"][0]
+        assert stop["action"].startswith("stop supervisord nvidia-persistenced:nvidia-persistenced")
+        os.kill(monitor_pid, signal.SIGKILL)
+        assert wait_until(lambda: not host_alive(monitor_pid))
+        done = lab.play("pve1", "gpu_release", dict(args, reset_blockers="stop_services"))
+        assert not done.failed, done
+        assert lab.used(3) == 0 and done["rung_reached"] == "reset"
+        assert [(s["step"], s["ok"]) for s in done["reset_steps"]] == [
+            ("stop", True), ("persistence_off", True), ("persistence_on", True), ("start", True)], done["reset_steps"]
+        assert [a["outcome"][:4] for a in done["actions"] if a["signal"] == "reset"] == ["done"]
+        gpu3 = [g for g in lab.labctl("gpus", "--node", "pve1") if g["minor"] == 3][0]
+        assert gpu3["persistence_mode"] == 1
+        assert "RUNNING" in node_persistenced(lab, "status")
+    finally:
+        node_persistenced(lab, "stop")
+        lab.labctl("fault", "--node", "pve1", "--gpu", "3", "--persistence", "off")

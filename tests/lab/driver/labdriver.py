@@ -283,6 +283,7 @@ class Driver:
         self.faults = {}  # (node, minor) -> lost|hang
         self.init_faults = {}  # node -> not_loaded
         self.health = {}  # (node, minor) -> sorted HEALTH conditions
+        self.persistence = {}  # (node, minor) -> 1 where persistence mode is on (off by default)
         self._load_saved()
 
     # -- persistence: a restarted daemon keeps allocations, leaks and faults --
@@ -297,6 +298,7 @@ class Driver:
         self.faults = {gpu_key(k): v for k, v in saved.get("faults", {}).items()}
         self.init_faults = saved.get("init_faults", {})
         self.health = {gpu_key(k): v for k, v in saved.get("health", {}).items()}
+        self.persistence = {gpu_key(k): v for k, v in saved.get("persistence", {}).items()}
 
     def _save(self):
         data = {
@@ -305,6 +307,7 @@ class Driver:
             "faults": {"%s/%d" % k: v for k, v in self.faults.items()},
             "init_faults": self.init_faults,
             "health": {"%s/%d" % k: v for k, v in self.health.items()},
+            "persistence": {"%s/%d" % k: v for k, v in self.persistence.items()},
         }
         tmp = self.saved_path + ".tmp"
         with open(tmp, "w") as f:
@@ -485,6 +488,8 @@ class Driver:
                 return self.leak(request)
             if op == "reset":
                 return self.reset(pid, request)
+            if op == "persistence":
+                return self.set_persistence(pid, request)
             if op == "fault":
                 return self.fault(request)
             if op == "hang":
@@ -515,6 +520,7 @@ class Driver:
                 index, minor, gpu_uuid(rid, node, minor), pci_bus_id(minor),
                 TOTAL_MIB, RESERVED_MIB, used, fault))
             lines.append("HEALTH %d %s" % (index, " ".join(self.health.get((node, minor), [])) or "none"))
+            lines.append("PERSISTENCE %d %d" % (index, self.persistence.get((node, minor), 0)))
             by_pid = {}
             for r in records:
                 if r.get("residue_of") is not None:
@@ -544,6 +550,7 @@ class Driver:
                     "leaked_mib": self.leaked.get((node, minor), 0),
                     "fault": self.faults.get((node, minor), "none"),
                     "health": self.health.get((node, minor), []),
+                    "persistence_mode": self.persistence.get((node, minor), 0),
                     "visible_in": visible,
                     "nvml_pids": sorted({r["host_pid"] for r in records if r["host_pid"] is not None}),
                     "allocations": [allocation_view(r) for r in records],
@@ -630,6 +637,9 @@ class Driver:
         listed = sorted({r["host_pid"] for r in records if r["host_pid"] is not None and "gone_at" not in r})
         devid = self.device_id(node, minor)
         users = device_users(devid, exclude=(pid, os.getpid())) if devid else []
+        if self.persistence.get((node, minor)):
+            logging.info("reset refused node=%s minor=%d: persistence mode on", node, minor)
+            return {"ok": False, "error": "persistence mode is enabled (nvidia-smi -pm 0 first)"}
         if holders or users or listed:
             logging.info("reset refused node=%s minor=%d holders=%s users=%s nvml_pids=%s", node, minor, holders,
                          users, listed)
@@ -647,6 +657,22 @@ class Driver:
         logging.info("reset node=%s minor=%d by pid=%d", node, minor, pid)
         return {"ok": True, "node": node, "minor": minor}
 
+    def set_persistence(self, pid, request):
+        """nvidia-smi -pm: persistence mode of a GPU the caller sees (a node's, from the node)."""
+        minor = self._minor_arg(request)
+        node, _vmid, minors = self.caller(pid, request.get("node"))
+        if minor not in minors:
+            raise RequestError("minor %d is not visible to pid %d" % (minor, pid))
+        if request.get("mode") not in (0, 1):
+            raise RequestError("mode must be 0 or 1")
+        if request["mode"]:
+            self.persistence[(node, minor)] = 1
+        else:
+            self.persistence.pop((node, minor), None)
+        self._save()
+        logging.info("persistence node=%s minor=%d mode=%d by pid=%d", node, minor, request["mode"], pid)
+        return {"ok": True, "node": node, "minor": minor, "mode": request["mode"]}
+
     def fault(self, request):
         node = self.node_of(request.get("node"))
         if "init" in request:
@@ -657,6 +683,14 @@ class Driver:
                 self.thaw_hung(node)
             else:
                 self.init_faults[node] = request["init"]
+        elif "persistence" in request:
+            minor = self._minor_arg(request)
+            if request["persistence"] not in ("on", "off"):
+                raise RequestError("persistence must be on or off")
+            if request["persistence"] == "on":
+                self.persistence[(node, minor)] = 1
+            else:
+                self.persistence.pop((node, minor), None)
         elif "health" in request:
             minor = self._minor_arg(request)
             health = request["health"]

@@ -110,6 +110,7 @@ typedef struct {
     unsigned long long total, reserved, used; /* MiB, used is v2 */
     int fault;
     int health; /* H_* bits */
+    int persistence;
 } snap_dev_t;
 
 typedef struct {
@@ -273,6 +274,13 @@ static int fetch_snapshot(snapshot_t *s)
                                         (strstr(w, "drain_and_reset") ? H_DRAIN_AND_RESET : 0);
                 }
             }
+        } else if (strncmp(line, "PERSISTENCE ", 12) == 0) {
+            unsigned int index;
+            int mode;
+            if (sscanf(line + 12, "%u %d", &index, &mode) == 2)
+                for (int i = 0; i < s->ndev; i++)
+                    if (s->dev[i].index == index)
+                        s->dev[i].persistence = mode;
         } else if (strncmp(line, "PROC ", 5) == 0 && s->nproc < MAX_PROCS) {
             snap_proc_t *p = &s->proc[s->nproc];
             if (sscanf(line + 5, "%u %u %llu", &p->index, &p->pid, &p->mib) == 3)
@@ -909,4 +917,29 @@ EXPORT nvmlReturn_t nvmlDeviceGetFieldValues(nvmlDevice_t h, int valuesCount, nv
         v->value.uiVal = (bits & H_NODE_REBOOT) ? 2 : (bits & H_DRAIN_AND_RESET) ? 4 : (bits & H_RESET_REQUIRED) ? 1 : 0;
     }
     return NVML_SUCCESS;
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetPersistenceMode(nvmlDevice_t h, int *mode)
+{
+    snapshot_t *s = NULL;
+    snap_dev_t *d = NULL;
+    if (!mode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t ret = device_truth(h, &s, &d);
+    if (ret != NVML_SUCCESS)
+        return ret;
+    *mode = d->persistence ? 1 : 0;
+    free(s);
+    return NVML_SUCCESS;
+}
+
+/* MIG is off, as on the H200 measured (GPU_FACTS row 29). */
+EXPORT nvmlReturn_t nvmlDeviceGetMigMode(nvmlDevice_t h, unsigned int *currentMode, unsigned int *pendingMode)
+{
+    if (!currentMode || !pendingMode)
+        return NVML_ERROR_INVALID_ARGUMENT;
+    nvmlReturn_t ret = device_check(h);
+    if (ret == NVML_SUCCESS)
+        *currentMode = *pendingMode = 0;
+    return ret;
 }

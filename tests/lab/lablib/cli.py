@@ -59,6 +59,9 @@ def parser():
     ex.add_argument("--node", required=True)
     ex.add_argument("--vmid", required=True)
     ex.add_argument("cmd", nargs=argparse.REMAINDER)
+    nx = sub.add_parser("node-exec", help="run a command on a node (its PID and mount namespaces), as root there")
+    nx.add_argument("--node", required=True)
+    nx.add_argument("cmd", nargs=argparse.REMAINDER)
     run = sub.add_parser("run", help="start a workload scenario in a container")
     run.add_argument("scenario")
     run.add_argument("--node", required=True)
@@ -79,6 +82,7 @@ def parser():
     fa.add_argument("--health", choices=("retired_pages_pending", "row_remap_pending", "row_remap_failure", "ecc_pending",
                                          "reset_required", "node_reboot_required", "drain_and_reset", "none"),
                     help="add a health condition to --gpu MINOR (several may hold); none clears them")
+    fa.add_argument("--persistence", choices=("on", "off"), help="persistence mode of --gpu MINOR (off at start)")
     lk = sub.add_parser("leak", help="leave MiB used on a GPU with no process holding it")
     lk.add_argument("--node", required=True)
     lk.add_argument("--gpu", type=int, required=True, help="minor")
@@ -138,6 +142,16 @@ def main(argv):
             env = {k: v for k, v in os.environ.items() if not k.startswith("SSL_CERT_")}
             env["PATH"] = container.PVE_PATH
             os.execvpe(argv[0], argv, env)
+        elif args.command == "node-exec":
+            cmd = args.cmd[1:] if args.cmd[:1] == ["--"] else args.cmd
+            if not cmd:
+                raise LabError("node-exec needs a command after --")
+            ncfg = lab.config["nodes"].get(args.node)
+            if ncfg is None:
+                raise LabError("no node %s in lab %s" % (args.node, lab.rid))
+            env = dict(os.environ, PATH=container.PVE_PATH)
+            argv = container.node_argv(ncfg, cmd)
+            os.execvpe(argv[0], argv, env)
         elif args.command == "run":
             extra = extra[1:] if extra[:1] == ["--"] else extra
             result = scenarios.run(lab, args.scenario, args.node, args.vmid, args.gpus, args.mib, extra,
@@ -147,16 +161,19 @@ def main(argv):
             lab.config
             print(json.dumps(scenarios.gpus(lab, args.node), sort_keys=True))
         elif args.command == "fault":
-            if [args.fault, args.init, args.health].count(None) != 2:
+            if [args.fault, args.init, args.health, args.persistence].count(None) != 3:
                 raise LabError("fault takes --gpu MINOR --fault lost|hang|hang_memory|hang_procs|no_v2|none, "
-                               "--gpu MINOR --health CONDITION|none, or --init not_loaded|hang|none")
-            if (args.fault is not None or args.health is not None) and args.gpu is None:
-                raise LabError("--fault and --health need --gpu MINOR")
+                               "--gpu MINOR --health CONDITION|none, --gpu MINOR --persistence on|off, "
+                               "or --init not_loaded|hang|none")
+            if args.init is None and args.gpu is None:
+                raise LabError("--fault, --health and --persistence need --gpu MINOR")
             request = {"op": "fault", "node": args.node}
             if args.fault is not None:
                 request.update(minor=args.gpu, fault=args.fault)
             elif args.health is not None:
                 request.update(minor=args.gpu, health=args.health)
+            elif args.persistence is not None:
+                request.update(minor=args.gpu, persistence=args.persistence)
             else:
                 request["init"] = args.init
             print(json.dumps(scenarios.driver_request(lab, request)))

@@ -266,7 +266,8 @@ class Lab:
         node_cgroups = [os.path.join(self.cg_root, node)] + [os.path.join(r, node) for r in self.v1_roots()]
         write_json(os.path.join(ndir, "nodeinit.json"), {"node_dir": ndir, "state": self.state, "cgroup_path": cg,
                                                          "cgroups": node_cgroups, "node": node, "gpus": nshape["gpus"],
-                                                         "nodes": sorted(cfg["shape"]["nodes"])})
+                                                         "nodes": sorted(cfg["shape"]["nodes"]),
+                                                         "supervisor_venv": VENV, "lab_dir": LAB_DIR})
         return ncfg
 
     def _bare_venv(self, vmid):

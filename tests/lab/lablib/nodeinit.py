@@ -14,7 +14,9 @@ whose top layer (STATE/nodes/NODE/etc-layer) holds /etc/pve (`lxc` -> the node's
 whose top layer has empty mountpoints for the fake device files, each then bound from
 STATE/nodes/NODE/dev (same inodes as in the containers), with /dev's own submounts (pts, shm,
 mqueue, ...) bound back; the node's bin folder (the fake nvidia-smi) overlaid on /usr/bin.
-Then it runs sshd -D and reaps orphans (LXC monitors, container launchers) until SIGTERM.
+Then it runs supervisord (program nvidia-persistenced, the lab's stand-in, not started: `supervisorctl start
+nvidia-persistenced` on the node; the node's daemons run under supervisord, having no systemd) and sshd -D, and
+reaps orphans (LXC monitors, container launchers) until SIGTERM.
 """
 
 import json
@@ -183,6 +185,48 @@ def setup_mounts(cfg):
         setup_dev(cfg)
 
 
+NODE_SUPERVISORD_CONF = """\
+[unix_http_server]
+file=/run/supervisor/supervisor.sock
+chmod=0700
+
+[supervisord]
+nodaemon=true
+user=root
+logfile=/run/supervisor/supervisord.log
+pidfile=/run/supervisor/supervisord.pid
+childlogdir=/run/supervisor/log
+
+[rpcinterface:supervisor]
+supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
+
+[supervisorctl]
+serverurl=unix:///run/supervisor/supervisor.sock
+
+[program:nvidia-persistenced]
+command=/bin/bash -c 'exec -a nvidia-persistenced %(python)s %(lab_dir)s/node/nvidia-persistenced'
+autostart=false
+autorestart=false
+stopsignal=TERM
+stopwaitsecs=5
+"""
+
+
+def start_supervisord(cfg, env):
+    """The node's supervisord (its conf at /etc/supervisor/supervisord.conf's place for supervisorctl: -c)."""
+    for d in ("/run/supervisor", "/run/supervisor/log"):
+        os.makedirs(d, exist_ok=True)
+    conf = "/run/supervisor/supervisord.conf"
+    with open(conf, "w") as f:
+        f.write(NODE_SUPERVISORD_CONF % {"python": os.path.join(cfg["supervisor_venv"], "bin", "python"),
+                                         "lab_dir": cfg["lab_dir"]})
+    log = open("/run/supervisor/supervisord.out", "ab")
+    subprocess.Popen([os.path.join(cfg["supervisor_venv"], "bin", "supervisord"), "-c", conf], env=env,
+                     stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, close_fds=True,
+                     preexec_fn=_join(cfg["cgroup_path"]))
+    log.close()
+
+
 def inner(config_path):
     with open(config_path) as f:
         cfg = json.load(f)
@@ -190,6 +234,8 @@ def inner(config_path):
     os.chdir("/")
     env = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8"}
     node_dir = cfg["node_dir"]
+    if cfg.get("supervisor_venv"):
+        start_supervisord(cfg, env)
     sshd = subprocess.Popen(["/usr/sbin/sshd", "-D", "-f", os.path.join(node_dir, "sshd_config"),
                              "-E", os.path.join(node_dir, "sshd.log")], env=env, stdin=subprocess.DEVNULL,
                             preexec_fn=_join(cfg["cgroup_path"]))

@@ -136,6 +136,7 @@ def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_p
                ", ".join(str(p) for p in job["pids"]), ", ".join(str(i) for i in job_gpus),
                gpu_list_words(untargeted), " (%s)" % mib_list(over) if over else "", gpu_list_words(untargeted)),
             job["pids"])
+    _mps_servers_last(report, chosen, decision)
     unknown_index = dict((u["minor"], u["index"]) for u in getattr(report, "unknown_gpus", ()))
     for record in sorted(chosen.values(), key=lambda r: r["pid"]):
         unknown = [m for m in record.get("unknown_gpus") or () if unknown_index.get(m) not in targets]
@@ -156,6 +157,18 @@ def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_p
                    gpu_list_words([i for i, dummy in over])), [record["pid"]])
     decision.to_signal = sorted(chosen.values(), key=lambda r: r["pid"])
     return decision
+
+
+def _mps_servers_last(report, chosen, decision):
+    """An MPS server is signalled only when every MPS client is too: killing it under a client left running
+    leaves that client's work undefined."""
+    clients = sorted(r["pid"] for r in report.holders if r.get("mps_role") == "client")
+    for record in [r for r in chosen.values() if r.get("mps_role") == "server"]:
+        left = [pid for pid in clients if pid not in chosen]
+        if left:
+            del chosen[record["pid"]]
+            decision.skipped.append(_skip(record, "the MPS server, signalled only with all of its clients: pids %s stay"
+                                          % ", ".join(str(p) for p in left)))
 
 
 def unknown_words(minors, unknown_index):
@@ -206,6 +219,10 @@ def plan_entry(record, targets, decision, tolerance_mib):
     if record.get("unknown_gpus"):
         note += "; also has a context on a GPU NVML cannot describe (minor %s): an unknown amount" % ", ".join(
             str(m) for m in record["unknown_gpus"])
+    if record.get("mps_role") == "client":
+        note = "an MPS client: terminate_client through the MPS control daemon first, then SIGTERM; " + note
+    elif record.get("mps_role") == "server":
+        note += "; the MPS server, stopped with all of its clients"
     if why == "job_member":
         note += "; stopped with its job (collateral: stop)"
     elif why == "job_residue":
@@ -214,4 +231,6 @@ def plan_entry(record, targets, decision, tolerance_mib):
         note += "; not pinned, but every GPU it maps is targeted"
     return {"pid": record["pid"], "name": record["name"], "gpus": gpus, "side_effect_gpus": side,
             "job": decision.jobs.get(record["job"]), "evidence": list(record["evidence"]),
-            "unattributed": record["unattributed"], "why": why, "signals": ["SIGTERM", "SIGKILL"], "note": note}
+            "unattributed": record["unattributed"], "why": why,
+            "signals": (["terminate_client"] if record.get("mps_role") == "client" else []) + ["SIGTERM", "SIGKILL"],
+            "note": note}

@@ -37,7 +37,9 @@ GPU_COMMON_ARGS = dict(
 
 # Never signalled, whatever holds what (names as in comm, argv[0] or exe).
 PROTECTED_NAMES = ("nvidia-persistenced", "nv-hostengine", "nv-fabricmanager", "dcgm-exporter",
-                   "sshd", "lxc-attach", "pct")
+                   "nvidia-cuda-mps-control", "sshd", "lxc-attach", "pct")
+MPS_SERVER = "nvidia-cuda-mps-server"
+MPS_CONTROL = "nvidia-cuda-mps-control"
 
 INIT_PID_NS_INODE = 0xEFFFFFFC  # the host's (initial) PID namespace
 
@@ -191,11 +193,25 @@ def _names_of(pid, comm, argv, proc_root):
 
 
 def protected_name(names):
-    """The protected name this process goes by, or None (comm is cut at 15 characters)."""
+    """The protected name this process goes by, or None. comm is cut at 15 characters, so a 15-character name
+    matches unless a full name (argv[0], exe) with the same start says otherwise: the MPS server's comm is the
+    control daemon's too (nvidia-cuda-mps)."""
+    full = [n for n in names if len(n) > 15]
     for protected in PROTECTED_NAMES:
         for name in names:
-            if name == protected or name == protected[:15]:
+            if name == protected:
                 return protected
+            if name == protected[:15] and not [f for f in full if f[:15] == name and f != protected]:
+                return protected
+    return None
+
+
+def mps_role(names):
+    """control (the MPS control daemon), server (an MPS server), or None, by full name (argv[0] or exe)."""
+    if MPS_CONTROL in names:
+        return "control"
+    if MPS_SERVER in names:
+        return "server"
     return None
 
 
@@ -365,6 +381,8 @@ class Engine(object):
             "job": None,
             "unattributed": False,
             "nvml_named_on": [],
+            "mps_client_on": [],
+            "mps_role": mps_role(names),
             "nspid": status.get("nspid"),
             "cgroup": cgroup,
             "container": None if self.in_container else (node.container_of_cgroup(cgroup) or node.HOST),
@@ -463,6 +481,9 @@ class Engine(object):
             for proc in view["procs"] or ():
                 if proc["pid"] in records:
                     records[proc["pid"]]["nvml_named_on"].append(view_index)
+                    if proc.get("mps"):
+                        records[proc["pid"]]["mps_client_on"].append(view_index)
+                        records[proc["pid"]]["mps_role"] = records[proc["pid"]]["mps_role"] or "client"
         orphans, stale = pinning.pin(holders, views, slack_mib=self.threshold_mib)
         for record in holders:
             record["unattributed"] = not record["gpus"] and not record["unknown_gpus"]
@@ -758,6 +779,22 @@ def _holder_lines(report, record):
     return ["%s holds %s; SIGTERM, then SIGKILL to %d frees it" % (_pname(record), held, pid)]
 
 
+def _mps_lines(report):
+    """MPS: the servers and the clients, and which memory is charged to whom (GPU_FACTS row 26)."""
+    def shares(record):
+        return ", ".join("GPU %d %s" % (i, fmt_mib(mib)) for i, mib in sorted(record["shares_mib"].items())) or \
+            "no memory pinned"
+    servers = [r for r in list(report.holders) + list(report.clients) if r.get("mps_role") == "server"]
+    clients = [r for r in report.holders if r.get("mps_role") == "client"]
+    if not servers and not clients:
+        return []
+    return ["MPS: server %s; clients %s. Each client's memory is its own (NVML names it with its MiB) and the server "
+            "holds a share of its own; a client is stopped by terminate_client through the MPS control daemon, then "
+            "SIGTERM and SIGKILL; the server only with all of its clients; the control daemon never"
+            % (", ".join("pid %d (%s)" % (r["pid"], shares(r)) for r in servers) or "none seen",
+               ", ".join("pid %d (%s)" % (r["pid"], shares(r)) for r in clients) or "none")]
+
+
 def diagnose(report):
     """Plain sentences, one per finding, each naming the pid and the remedy."""
     lines = []
@@ -783,6 +820,7 @@ def diagnose(report):
                      "GPU pinned too, only with collateral: stop)"
                      % (unknown["minor"], "" if unknown["index"] is None else " (GPU %d)" % unknown["index"],
                         "; %s map a context on it" % ", ".join("pid %d" % p for p in held) if held else ""))
+    lines.extend(_mps_lines(report))
     for link in report.linked:
         lines.append("pids %s are connected by TCP but are not one job (%s): each is signalled only for its own "
                      "targeted GPUs" % (", ".join(str(p) for p in link["pids"]), link["why"].split(": ", 1)[-1]))

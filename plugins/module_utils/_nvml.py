@@ -520,7 +520,8 @@ class Nvml(object):
         return out
 
     def processes(self, index):
-        """Compute, graphics and MPS client processes NVML names for one GPU: [{pid, used_mib}], one per pid.
+        """Compute, graphics and MPS client processes NVML names for one GPU: [{pid, used_mib}], one per pid; an
+        MPS client (NVML's MPS list, GPU_FACTS row 26) has "mps": True.
 
         The graphics and MPS lists are optional (a driver or an NVML without them, or MPS not running).
         """
@@ -534,11 +535,16 @@ class Nvml(object):
                 if exc.kind in ("hang", "lost") or label.startswith("nvmlDeviceGetCompute"):
                     raise
                 continue
+            mps = label == "nvmlDeviceGetMPSComputeRunningProcesses"
             for proc in procs or ():
                 used = getattr(proc, "usedGpuMemory", None)
                 mib = used // MIB if isinstance(used, int) else None
                 entry = found.setdefault(int(proc.pid), {"pid": int(proc.pid), "used_mib": None})
-                if mib is not None:
+                if mps:
+                    entry["mps"] = True   # an MPS client: listed with its MiB in the compute list too (row 26)
+                    if entry["used_mib"] is None and mib is not None:
+                        entry["used_mib"] = mib
+                elif mib is not None:
                     entry["used_mib"] = (entry["used_mib"] or 0) + mib
         return [found[pid] for pid in sorted(found)]
 

@@ -20,6 +20,7 @@ import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _blockers as blockers
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
+from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
 from ansible_collections.gpuops.fleet.plugins.module_utils._access import read_drm_refcount
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
@@ -776,6 +777,33 @@ class Releaser(object):
             self.plan.append(plan_entry(record, self.targets, decision, self.tolerance_mib))
         return fresh
 
+    def _terminate_mps_clients(self, clients):
+        """terminate_client SERVER CLIENT through the MPS control daemon for each MPS client about to be signalled:
+        its GPU work ends safely; the ladder then ends the process (terminate_client frees nothing, row 28)."""
+        if not clients:
+            return
+        controls = mps.find_controls(self.proc_root, node_view=self.engine.view == "node")
+        served = {}   # (vmid or None, pid as the daemon sees it) -> (control, server)
+        for control in controls:
+            for server, pids in mps.servers_and_clients(control).items():
+                for pid in pids:
+                    served[(control["vmid"], pid)] = (control, server)
+        for record in clients:
+            vmid = record.get("container")
+            in_ct = vmid not in (None, node.HOST, node.UNATTRIBUTED)
+            found = served.get((None, record["pid"])) or (served.get((int(vmid), record.get("container_pid")))
+                                                          if in_ct and record.get("container_pid") else None)
+            if found is None:
+                self._record(record, "terminate_client", "skipped: no MPS control daemon lists it as a client (%d "
+                             "daemons found); the ladder alone follows" % len(controls))
+                continue
+            control, server = found
+            client = record["pid"] if control["vmid"] is None else record["container_pid"]
+            ok, text = mps.ask(control, "terminate_client %d %d" % (server, client))
+            self._record(record, "terminate_client", "%s: server %d, control daemon pid %d%s: %s"
+                         % ("done" if ok else "failed", server, control["pid"],
+                            "" if control["vmid"] is None else " (in container %s, pids as seen there)" % control["vmid"], text))
+
     def run(self, report):
         """Climb the ladder from report (the state after the locks were taken).
 
@@ -788,6 +816,7 @@ class Releaser(object):
                                           self._kill_ticks, self._known_pids)
         watched = list(self.to_signal)
         outcome = "gone"
+        self._terminate_mps_clients([r for r in self.to_signal if r.get("mps_role") == "client"])
         if self.to_signal:
             outcome = self._escalate(list(self.to_signal), watched)
         for dummy in range(HEIR_ROUNDS):

@@ -415,8 +415,9 @@ actions:
       sample: python3
     signal:
       description:
-        - C(SIGTERM), C(SIGKILL), C(reset), C(stop) (a unit of O(stop_found_units)), or C(container_stop) and
-          C(container_start) (the container rung).
+        - C(SIGTERM), C(SIGKILL), C(reset), C(stop) (a unit of O(stop_found_units)), C(container_stop) and
+          C(container_start) (the container rung), or C(terminate_client) (an MPS client, through its control
+          daemon, before C(SIGTERM)).
       type: str
       sample: SIGKILL
     outcome:

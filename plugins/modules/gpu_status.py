@@ -473,6 +473,17 @@ holders:
       type: list
       elements: int
       sample: [2]
+    mps_role:
+      description:
+        - C(client) (NVML's MPS list names it), C(server) (C(nvidia-cuda-mps-server)), C(control) (the MPS control
+          daemon, never signalled), or null.
+      type: str
+      sample: client
+    mps_client_on:
+      description: NVML indexes of the GPUs whose MPS client list names this pid.
+      type: list
+      elements: int
+      sample: [0]
     holder:
       description: True for a holder (it maps a device node), false for a client.
       type: bool

@@ -126,8 +126,11 @@ def test_reset_is_refused_inside_a_container_and_while_a_client_runs_on_the_node
     monitor = clean.run("monitor", 101)
     refused = clean.play("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))
     assert refused.failed and clean.used(1) == 1000, refused
-    resets = [a for a in refused["actions"] if a["signal"] == "reset"]
-    assert resets and resets[0]["outcome"].startswith("refused: pid %d" % monitor["node_pids"][0]), refused
+    # issue 21: the monitor is a reset blocker, named before anything is done (reset_blockers: refuse)
+    assert refused["actions"] == [] and refused["msg"].startswith(
+        "gpu_reset: a reset would be blocked (reset_blockers: refuse), nothing was signalled: pid %d ("
+        % monitor["node_pids"][0]), refused
+    assert [(b["kind"], b["action"]) for b in refused["reset_blockers"]] == [("nvml_client", "refused")]
     assert host_alive(monitor["host_pids"][0])   # an NVML client is never signalled
     os.kill(monitor["host_pids"][0], 9)
     done = clean.play("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))

@@ -228,3 +228,48 @@ def test_mps_clients_are_named_where_nvml_lists_them(proc):
     holders = dict((h["pid"], h) for h in report.holders)
     assert holders[301]["gpus"] == [1] and holders[301]["evidence"] == ["nvml", "mapping"]
     assert holders[300]["gpus"] == [0] and report.gpus[1]["unattributed_mib"] == 0
+
+
+def _mps_world(proc):
+    """GPU_FACTS row 26: a server (comm nvidia-cuda-mps, as the control daemon's) with its share on GPU 0, client 301
+    on GPU 0 and client 302 on GPU 1, both in NVML's compute list with their MiB and in its MPS list."""
+    class MpsNvml(FakeNvml):
+        def nvmlDeviceGetMPSComputeRunningProcesses(self, handle):
+            return [type("P", (), {"pid": pid, "usedGpuMemory": mib * 1024 * 1024})()
+                    for pid, mib in self.gpus[handle].get("mps", [])]
+    proc.add(300, comm="nvidia-cuda-mps", argv=["nvidia-cuda-mps-server"], maps=ctx(0) + vis(1), fds=["/dev/nvidia0"],
+             cgroup="0::/system.slice\n")
+    proc.add(301, comm="python3", maps=ctx(0) + vis(1), fds=["/dev/nvidia0"], cgroup="0::/system.slice\n")
+    proc.add(302, comm="python3", maps=vis(0) + ctx(1), fds=["/dev/nvidia1"], cgroup="0::/system.slice\n")
+    fake = MpsNvml([{"minor": 0, "used_mib": 4162, "procs": [(300, 66), (301, 4096)], "mps": [(301, 4096)]},
+                    {"minor": 1, "used_mib": 6144, "procs": [(302, 6144)], "mps": [(302, 6144)]}])
+    engine, dummy = engine_for(proc, fake)
+    return engine
+
+
+def test_mps_server_is_signalled_only_with_all_of_its_clients_and_clients_get_terminate_client_first(proc):
+    from ansible_collections.gpuops.fleet.plugins.module_utils._decide import decide, plan_entry
+    engine = _mps_world(proc)
+    report = engine.snapshot([0, 1])
+    roles = dict((r["pid"], r["mps_role"]) for r in report.holders)
+    assert roles == {300: "server", 301: "client", 302: "client"}
+    assert [r["protected_name"] for r in report.holders if r["pid"] == 300] == [None]   # not the control daemon
+    mps_line = [line for line in report.diagnosis if line.startswith("MPS: ")]
+    assert mps_line and "server pid 300 (GPU 0 66 MiB)" in mps_line[0] and "pid 302 (GPU 1 6.0 GiB)" in mps_line[0]
+    one = decide(report, [0], [0, 1])
+    assert [r["pid"] for r in one.to_signal] == [301]
+    assert [s["reason"] for s in one.skipped if s["pid"] == 300] == [
+        "the MPS server, signalled only with all of its clients: pids 302 stay"]
+    entry = plan_entry(one.to_signal[0], [0], one, 64)
+    assert entry["signals"] == ["terminate_client", "SIGTERM", "SIGKILL"] and entry["note"].startswith("an MPS client")
+    both = decide(report, [0, 1], [0, 1])
+    assert [r["pid"] for r in both.to_signal] == [300, 301, 302]
+
+
+def test_the_mps_control_daemon_is_protected_by_its_full_name():
+    from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import mps_role, protected_name
+    control = ["nvidia-cuda-mps", "nvidia-cuda-mps-control"]
+    server = ["nvidia-cuda-mps", "nvidia-cuda-mps-server"]
+    assert protected_name(control) == "nvidia-cuda-mps-control" and mps_role(control) == "control"
+    assert protected_name(server) is None and mps_role(server) == "server"
+    assert protected_name(["nvidia-persiste"]) == "nvidia-persistenced"   # comm alone still matches

@@ -429,3 +429,28 @@ def test_reset_blockers_are_named_and_stop_services_clears_the_daemon_and_persis
     finally:
         node_persistenced(lab, "stop")
         lab.labctl("fault", "--node", "pve1", "--gpu", "3", "--persistence", "off")
+
+
+def test_mps_clients_of_a_targeted_gpu_get_terminate_client_then_the_ladder(clean):
+    """Issue 21: an MPS control daemon in ct101 with its server (66 MiB on GPU 0) and a client on GPU 0 and one on
+    GPU 1 (rows 26-28). Releasing GPU 1: its client gets terminate_client through the daemon, then SIGTERM; GPU 1
+    reads free; the server and GPU 0's client stay, the server left out because a client of it stays; the control
+    daemon is never signalled."""
+    lab = clean
+    run = lab.run("mps", 101, [0, 1], mib=700)
+    roles, ct = run["roles"], run["container_roles"]
+    assert lab.used(0) == 700 + 66 and lab.used(1) == 700
+    status = lab.play("ct101", "gpu_status", {"gpus": [0, 1], "cmdline": False})
+    by_pid = dict((h["pid"], h) for h in status["holders"])
+    assert by_pid[ct["server"]]["mps_role"] == "server" and by_pid[ct["client1"]]["mps_client_on"] == [1]
+    assert [line for line in status["diagnosis"] if line.startswith("MPS: server pid %d (GPU 0 66 MiB)" % ct["server"])]
+    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[1]))
+    assert not play.failed, play
+    assert lab.used(1) == 0 and lab.used(0) == 766
+    steps = [(a["signal"], a["pid"]) for a in play["actions"]]
+    assert steps[:2] == [("terminate_client", ct["client1"]), ("SIGTERM", ct["client1"])], play["actions"]
+    assert play["actions"][0]["outcome"] == "done: server %d, control daemon pid %d: 0" % (ct["server"], ct["control"])
+    assert [e["signals"] for e in play["plan"]] == [["terminate_client", "SIGTERM", "SIGKILL"]]
+    assert all(host_alive(roles[r]) for r in ("control", "server", "client0")) and not host_alive(roles["client1"])
+    log = lab.exec(101, "cat", run["mps_pipe"] + "/control.log").stdout.split("\n")
+    assert "Cmd:terminate_client %d %d" % (ct["server"], ct["client1"]) in log and "Cmd:quit" not in log

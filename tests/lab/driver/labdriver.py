@@ -95,6 +95,8 @@ def allocation_view(record):
         view["freeing"] = True
     if record.get("imported_from"):
         view["imported_from"] = record["imported_from"]
+    if record.get("mps"):
+        view["mps"] = True
     return view
 
 
@@ -521,14 +523,18 @@ class Driver:
                 TOTAL_MIB, RESERVED_MIB, used, fault))
             lines.append("HEALTH %d %s" % (index, " ".join(self.health.get((node, minor), [])) or "none"))
             lines.append("PERSISTENCE %d %d" % (index, self.persistence.get((node, minor), 0)))
-            by_pid = {}
+            by_pid, mps = {}, set()
             for r in records:
                 if r.get("residue_of") is not None:
                     continue  # counted in used, charged to no pid
                 shown = translate_pid(r, caller_ns, mode, (self.lab["nodes"].get(node) or {}).get("pidns"))
                 if shown is not None:
                     by_pid[shown] = by_pid.get(shown, 0) + r["mib"]
+                    if r.get("mps"):
+                        mps.add(shown)
             procs += ["PROC %d %d %d" % (index, p, m) for p, m in sorted(by_pid.items())]
+            # an MPS client is in the compute list and in the MPS list (GPU_FACTS row 26)
+            procs += ["MPSPROC %d %d %d" % (index, p, m) for p, m in sorted(by_pid.items()) if p in mps]
         return "\n".join(lines + procs + ["END"]) + "\n"
 
     def snapshot_json(self, node_name):
@@ -583,6 +589,8 @@ class Driver:
         else:
             self.records.append({"node": node, "minor": minor, "dev": list(devid[:2]), "inode": devid[2],
                                  "host_pid": pid, "chain": chain, "mib": mib, "vmid": vmid})
+            if request.get("mps"):
+                self.records[-1]["mps"] = True
         self._save()
         logging.info("alloc node=%s minor=%d pid=%d mib=%d chain=%s", node, minor, pid, mib, chain)
         return {"ok": True, "node": node, "minor": minor, "host_pid": pid, "mib": mib}

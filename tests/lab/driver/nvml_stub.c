@@ -121,9 +121,10 @@ typedef struct {
 typedef struct {
     char driver[80];
     int init_not_loaded, init_hang;
-    int ndev, nproc;
+    int ndev, nproc, nmps;
     snap_dev_t dev[MAX_DEVS];
     snap_proc_t proc[MAX_PROCS];
+    snap_proc_t mps[MAX_PROCS]; /* MPS clients (also in proc) */
 } snapshot_t;
 
 static pthread_mutex_t g_lock = PTHREAD_MUTEX_INITIALIZER;
@@ -281,6 +282,10 @@ static int fetch_snapshot(snapshot_t *s)
                 for (int i = 0; i < s->ndev; i++)
                     if (s->dev[i].index == index)
                         s->dev[i].persistence = mode;
+        } else if (strncmp(line, "MPSPROC ", 8) == 0 && s->nmps < MAX_PROCS) {
+            snap_proc_t *p = &s->mps[s->nmps];
+            if (sscanf(line + 8, "%u %u %llu", &p->index, &p->pid, &p->mib) == 3)
+                s->nmps++;
         } else if (strncmp(line, "PROC ", 5) == 0 && s->nproc < MAX_PROCS) {
             snap_proc_t *p = &s->proc[s->nproc];
             if (sscanf(line + 5, "%u %u %llu", &p->index, &p->pid, &p->mib) == 3)
@@ -728,7 +733,7 @@ EXPORT nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t h, nvmlMemory_v2_t *
 /* ---- processes ---- */
 
 /* Fills v1 (16-byte) or v2/v3 (24-byte) process records with NVML's size protocol. */
-static nvmlReturn_t running_processes(nvmlDevice_t h, unsigned int *count, void *infos, int v1_layout)
+static nvmlReturn_t running_processes_of(nvmlDevice_t h, unsigned int *count, void *infos, int v1_layout, int mps_list)
 {
     snapshot_t *s = NULL;
     snap_dev_t *d = NULL;
@@ -739,9 +744,11 @@ static nvmlReturn_t running_processes(nvmlDevice_t h, unsigned int *count, void 
         return ret;
     if (d->fault == FAULT_HANG_PROCS)
         hang_forever();
+    snap_proc_t *list = mps_list ? s->mps : s->proc;
+    int nlist = mps_list ? s->nmps : s->nproc;
     unsigned int n = 0;
-    for (int i = 0; i < s->nproc; i++)
-        if (s->proc[i].index == d->index)
+    for (int i = 0; i < nlist; i++)
+        if (list[i].index == d->index)
             n++;
     if (n == 0) {
         *count = 0;
@@ -751,8 +758,8 @@ static nvmlReturn_t running_processes(nvmlDevice_t h, unsigned int *count, void 
         ret = NVML_ERROR_INSUFFICIENT_SIZE;
     } else {
         unsigned int k = 0;
-        for (int i = 0; i < s->nproc; i++) {
-            snap_proc_t *p = &s->proc[i];
+        for (int i = 0; i < nlist; i++) {
+            snap_proc_t *p = &list[i];
             if (p->index != d->index)
                 continue;
             if (v1_layout) {
@@ -772,6 +779,27 @@ static nvmlReturn_t running_processes(nvmlDevice_t h, unsigned int *count, void 
     }
     free(s);
     return ret;
+}
+
+static nvmlReturn_t running_processes(nvmlDevice_t h, unsigned int *count, void *infos, int v1_layout)
+{
+    return running_processes_of(h, count, infos, v1_layout, 0);
+}
+
+/* NVML's MPS client list: the clients only, not the server (GPU_FACTS row 26). */
+EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v3(nvmlDevice_t h, unsigned int *count, nvmlProcessInfo_t *infos)
+{
+    return running_processes_of(h, count, infos, 0, 1);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses_v2(nvmlDevice_t h, unsigned int *count, nvmlProcessInfo_t *infos)
+{
+    return running_processes_of(h, count, infos, 0, 1);
+}
+
+EXPORT nvmlReturn_t nvmlDeviceGetMPSComputeRunningProcesses(nvmlDevice_t h, unsigned int *count, nvmlProcessInfo_v1_t *infos)
+{
+    return running_processes_of(h, count, infos, 1, 1);
 }
 
 EXPORT nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t h, unsigned int *count, nvmlProcessInfo_t *infos)

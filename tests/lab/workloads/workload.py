@@ -29,7 +29,7 @@ import time
 
 SCENARIOS = ("plain", "term_ignoring", "fork_inherit", "defunct_leader", "zombie", "mmap_only",
              "tp_server", "monitor", "bystander_gpu", "bystander_cpu", "stray_context", "tp_nccl",
-             "two_parents", "ipc_consumer", "launcher_respawn", "tcp_server", "tcp_client")
+             "two_parents", "ipc_consumer", "launcher_respawn", "tcp_server", "tcp_client", "mps")
 CONTEXT_MAPS = 3  # map lines of /dev/nvidiaM on a context GPU (GPU_FACTS row 12)
 VISIBLE_MAPS = 2  # on a GPU that is only visible (row 9)
 BARE_CONTEXT_MIB = 518  # a stray or bare context (rows 13, 15, 17)
@@ -166,7 +166,7 @@ class Context:
 
     CAPS = ("nvidia-caps/nvidia-cap1", "nvidia-caps/nvidia-cap2")
 
-    def __init__(self, args, minor, mib):
+    def __init__(self, args, minor, mib, mps=False):
         self.minor = minor
         paths = ([dev_path(args, "nvidiactl")] + [dev_path(args, "nvidia%d" % minor)] * CONTEXT_MAPS
                  + [dev_path(args, "nvidia-uvm")])
@@ -178,7 +178,10 @@ class Context:
         # CUDA also keeps the capability nodes open, as fds only (measured on the H200).
         caps = [os.path.join(args.dev_dir, name) for name in self.CAPS]
         self.fds += open_all([path for path in caps if os.path.isfile(path)], os.O_RDONLY)
-        driver_request(args, {"op": "alloc", "minor": minor, "mib": mib})
+        request = {"op": "alloc", "minor": minor, "mib": mib}
+        if mps:
+            request["mps"] = True   # an MPS client: NVML's MPS list names it too (GPU_FACTS row 26)
+        driver_request(args, request)
 
 
 class VisibleGpu:
@@ -194,7 +197,7 @@ class VisibleGpu:
 class Runtime:
     """Everything one CUDA process holds: contexts {minor: MiB}, plus every other visible GPU."""
 
-    def __init__(self, args, contexts):
+    def __init__(self, args, contexts, mps=False):
         visible = visible_minors(args)
         shown = cuda_visible(visible)
         for minor in contexts:
@@ -205,7 +208,7 @@ class Runtime:
                 raise WorkloadError("minor %d is hidden by CUDA_VISIBLE_DEVICES=%s"
                                     % (minor, os.environ.get("CUDA_VISIBLE_DEVICES")))
         self.others = [VisibleGpu(args, m, m in shown) for m in visible if m not in contexts]
-        self.contexts = [Context(args, minor, mib) for minor, mib in contexts.items()]
+        self.contexts = [Context(args, minor, mib, mps) for minor, mib in contexts.items()]
 
     def close_fds(self):
         for part in self.others + self.contexts:
@@ -214,10 +217,11 @@ class Runtime:
             part.fds = []
 
 
-def make_contexts(args, minors=None, mib=None):
-    """A Runtime with a context of mib (default --mib) on each of minors (default --minors)."""
+def make_contexts(args, minors=None, mib=None, mps=False):
+    """A Runtime with a context of mib (default --mib) on each of minors (default --minors); mps: as an MPS
+    client."""
     minors = args.minors if minors is None else minors
-    return Runtime(args, {minor: args.mib if mib is None else mib for minor in minors})
+    return Runtime(args, {minor: args.mib if mib is None else mib for minor in minors}, mps)
 
 
 # ---- process helpers ----
@@ -409,6 +413,67 @@ def run_tp_server(args, reporter):
     wait_ready(read_fd, len(workers))
     reporter.report(args.scenario, roles, workers)
     sleep_forever()
+
+
+MPS_TOOL = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "driver", "nvidia-cuda-mps-control")
+
+
+def mps_ask(pipe, command):
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(os.path.join(pipe, "control"))
+    with conn:
+        conn.sendall((command + "\n").encode())
+        return conn.makefile().read().strip()
+
+
+def run_mps(args, reporter):
+    """An MPS control daemon (its own CUDA_MPS_PIPE_DIRECTORY), its server (66 MiB on the first minor) and one
+    client per minor (--mib each), in NVML's compute and MPS lists (GPU_FACTS rows 26-28)."""
+    signal.signal(signal.SIGCHLD, reap_children)
+    pipe = "/tmp/gpuops-mps-%d" % os.getpid()
+    os.makedirs(pipe)
+    read_fd, write_fd = os.pipe()
+    control = os.fork()
+    if control == 0:
+        os.close(read_fd)
+        os.dup2(write_fd, 1)
+        env = dict(os.environ, CUDA_MPS_PIPE_DIRECTORY=pipe, CUDA_MPS_LOG_DIRECTORY=pipe)
+        os.execve("/usr/bin/python3", [MPS_TOOL, MPS_TOOL[:-len("nvidia-cuda-mps-control")] + "mps_control.py", "-d",
+                                       "--server-minor", str(args.minors[0]), "--python", sys.executable], env)
+    server = int(read_lines(read_fd, 1)[0].split()[1])
+    roles = {"control": control, "server": server}
+    clients = []
+    for number, minor in enumerate(args.minors):
+        def client(minor=minor):
+            os.close(read_fd)
+            keep = make_contexts(args, [minor], mps=True)
+            mps_ask(pipe, "register %d" % os.getpid())
+            os.write(write_fd, b"ready\n")
+            sleep_forever()
+            return keep
+
+        child = os.fork()
+        if child == 0:
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            child_body(write_fd, client)
+        roles["client%d" % number] = child
+        clients.append(child)
+    os.close(write_fd)
+    wait_ready(read_fd, len(clients))
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while not wait_state_ok(server) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    reporter.report(args.scenario, roles, clients + [server], top=os.getpid(), extra={"mps_pipe": pipe})
+    sleep_forever()
+
+
+def wait_state_ok(pid):
+    """The server has its context: it maps its device node."""
+    try:
+        with open("/proc/%d/maps" % pid) as f:
+            return "/nvidia" in f.read()
+    except OSError:
+        return False
 
 
 def run_monitor(args, reporter):
@@ -716,7 +781,7 @@ def run_scenario(args, reporter):
          "bystander_cpu": run_bystander_cpu, "stray_context": run_stray_context, "tp_nccl": run_tp_nccl,
          "two_parents": run_two_parents, "ipc_consumer": run_ipc_consumer,
          "launcher_respawn": run_launcher_respawn, "tcp_server": run_tcp_server,
-         "tcp_client": run_tcp_client}[name](args, reporter)
+         "tcp_client": run_tcp_client, "mps": run_mps}[name](args, reporter)
 
 
 # ---- launching ----

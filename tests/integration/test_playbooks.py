@@ -538,7 +538,8 @@ SHM_LEAK = ("import os, time\n"
 @pytest.mark.parametrize("route", ["container", "auto"])
 def test_predeploy_check_fails_on_shared_memory_residue_read_inside_or_from_the_node(clean, route):
     """Issue 21: a leaked SGLang segment in ct202's /dev/shm fails the check on free GPUs, read in the container or
-    from its node; predeploy_shm_residue=false leaves it out."""
+    from its node; predeploy_shm_residue=false leaves it out; with predeploy_release the role's clean_shm removes it
+    and the check passes."""
     lab = clean
     assert lab.exec(202, "python3", "-c", SHM_LEAK).returncode == 0
     try:
@@ -550,6 +551,10 @@ def test_predeploy_check_fails_on_shared_memory_residue_read_inside_or_from_the_
             "processes: /dev/shm/sgl_shm_leak; remove them before the deploy"], result
         quiet = lab.playbook("predeploy_check.yml", {"release_gpus_from": route, "predeploy_shm_residue": False})
         assert quiet.rc == 0, quiet
+        # the release first (predeploy_release): the role's clean_shm removes the leak, and the check passes
+        released = lab.playbook("predeploy_check.yml", {"release_gpus_from": route, "predeploy_release": True})
+        assert released.rc == 0, predeploy_lines(released.output)
+        assert lab.exec(202, "test", "-e", "/dev/shm/sgl_shm_leak").returncode == 1
     finally:
         lab.exec(202, "rm", "-f", "/dev/shm/sgl_shm_leak")
 

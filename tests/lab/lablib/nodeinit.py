@@ -27,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lablib import sysutil  # noqa: E402
+from lablib import ctinit, sysutil  # noqa: E402
 
 OVERLAY_SOURCE = "gpuops-lab-node"
 ROOTFS = "/run/gpuops-lab-rootfs"  # lxc.rootfs.path of every container (in the node's mount namespace)
@@ -185,24 +185,8 @@ def setup_mounts(cfg):
         setup_dev(cfg)
 
 
-NODE_SUPERVISORD_CONF = """\
-[unix_http_server]
-file=/run/supervisor/supervisor.sock
-chmod=0700
-
-[supervisord]
-nodaemon=true
-user=root
-logfile=/run/supervisor/supervisord.log
-pidfile=/run/supervisor/supervisord.pid
-childlogdir=/run/supervisor/log
-
-[rpcinterface:supervisor]
-supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
-
-[supervisorctl]
-serverurl=unix:///run/supervisor/supervisor.sock
-
+# The containers' supervisord.conf (ctinit's), with the stand-in daemon's program.
+NODE_SUPERVISORD_CONF = ctinit.SUPERVISORD_CONF.replace("%", "%%") + """
 [program:nvidia-persistenced]
 command=/bin/bash -c 'exec -a nvidia-persistenced %(python)s %(lab_dir)s/node/nvidia-persistenced'
 autostart=false
@@ -213,8 +197,8 @@ stopwaitsecs=5
 
 
 def start_supervisord(cfg, env):
-    """The node's supervisord (its conf at /etc/supervisor/supervisord.conf's place for supervisorctl: -c)."""
-    for d in ("/run/supervisor", "/run/supervisor/log"):
+    """The node's supervisord, its conf at /run/supervisor/supervisord.conf (the node's /run; supervisorctl -c)."""
+    for d in ("/run/supervisor", "/run/supervisor/log", "/run/supervisor/conf.d"):
         os.makedirs(d, exist_ok=True)
     conf = "/run/supervisor/supervisord.conf"
     with open(conf, "w") as f:

@@ -27,7 +27,8 @@ CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
 def _minor_of(path, name):
-    """The GPU minor of a device file: 195:N (N < 254) by st_rdev; the lab's regular files by name."""
+    """The GPU minor of a device file: 195:N (N < 254) by st_rdev; the lab's regular files by name. (The rule of
+    procscan.rdev_gpu_minor, written out: this function also runs alone inside a container, see _probe_source.)"""
     try:
         st = os.stat(path)
     except OSError:

@@ -61,6 +61,17 @@ def supervisord_config(pid, proc_root):
     return None
 
 
+def supervisord_program(pid, supervisord_pid, proc_root):
+    """(GROUP:NAME, the supervisord's -c or None) of pid, a program supervisord runs (supervisord puts
+    SUPERVISOR_PROCESS_NAME and SUPERVISOR_GROUP_NAME in its environment), or None."""
+    env = procscan.read_environ(pid, proc_root, ("SUPERVISOR_PROCESS_NAME", "SUPERVISOR_GROUP_NAME"))
+    name = env.get("SUPERVISOR_PROCESS_NAME")
+    group = env.get("SUPERVISOR_GROUP_NAME") or name
+    if not name or not _PROGRAM_RE.match(name) or not _PROGRAM_RE.match(group):
+        return None
+    return "%s:%s" % (group, name), supervisord_config(supervisord_pid, proc_root)
+
+
 def find(record, proc_root="/proc"):
     """What would start record's process again inside its container: a dict, or None (not found, or not a
     container process). Keys: vmid, kind (systemd, docker, supervisord), name, argv (run inside the container),
@@ -87,13 +98,10 @@ def find(record, proc_root="/proc"):
     for pid, parent_pid, parent in parents:
         if parent is None or parent["comm"] != "supervisord":
             continue
-        env = procscan.read_environ(pid, proc_root, ("SUPERVISOR_PROCESS_NAME", "SUPERVISOR_GROUP_NAME"))
-        name = env.get("SUPERVISOR_PROCESS_NAME")
-        group = env.get("SUPERVISOR_GROUP_NAME") or name
-        if not name or not _PROGRAM_RE.match(name) or not _PROGRAM_RE.match(group):
+        program = supervisord_program(pid, parent_pid, proc_root)
+        if program is None:
             return None
-        conf = supervisord_config(parent_pid, proc_root)
-        full = "%s:%s" % (group, name)
+        full, conf = program
         return {"vmid": int(vmid), "kind": "supervisord", "name": full,
                 "argv": ["supervisorctl"] + (["-c", conf] if conf else []) + ["stop", full],
                 "evidence": "pid %d runs under supervisord (pid %d on the node) as program %s" % (pid, parent_pid, full)}
@@ -113,14 +121,11 @@ def node_service(record, proc_root="/proc"):
     parent = procscan.read_stat(record.get("ppid") or 0, proc_root) if record.get("ppid") else None
     if parent is None or parent["comm"] != "supervisord":
         return None
-    env = procscan.read_environ(record["pid"], proc_root, ("SUPERVISOR_PROCESS_NAME", "SUPERVISOR_GROUP_NAME"))
-    name = env.get("SUPERVISOR_PROCESS_NAME")
-    group = env.get("SUPERVISOR_GROUP_NAME") or name
-    if not name or not _PROGRAM_RE.match(name) or not _PROGRAM_RE.match(group):
+    program = supervisord_program(record["pid"], record["ppid"], proc_root)
+    if program is None:
         return None
-    conf = supervisord_config(record["ppid"], proc_root)
+    full, conf = program
     ctl = [supervisorctl_of(record["ppid"], proc_root)] + (["-c", conf] if conf else [])
-    full = "%s:%s" % (group, name)
     return {"kind": "supervisord", "name": full, "stop": ctl + ["stop", full], "start": ctl + ["start", full],
             "evidence": "pid %d runs under supervisord (pid %d) as program %s" % (record["pid"], record["ppid"], full)}
 
@@ -139,8 +144,9 @@ def supervisorctl_of(pid, proc_root):
     return "supervisorctl"
 
 
-def run_on_node(argv, timeout):
-    """{"ok", "text"} of a service manager's command on the node; never raises for the command's own failure."""
+def run_on_node(argv, timeout, done="done"):
+    """{"ok", "text"} of a command run from the node (a service manager's, or lxc-attach); never raises for the
+    command's own failure; done: the text when it succeeds silently."""
     try:
         rc, out = helperproc.run_bounded(argv, timeout)
     except subprocess.TimeoutExpired:
@@ -150,7 +156,7 @@ def run_on_node(argv, timeout):
     text = " ".join(out.split())[:300]
     if rc != 0:
         return {"ok": False, "text": "exit %d: %s" % (rc, text or "no output")}
-    return {"ok": True, "text": text or "done"}
+    return {"ok": True, "text": text or done}
 
 
 def found_for(records, proc_root="/proc"):
@@ -171,13 +177,4 @@ def attach_argv(vmid, argv, attach="lxc-attach"):
 
 def stop(entry, timeout, attach="lxc-attach"):
     """Run entry's stop inside its container. {"ok", "text"}; never raises for the command's own failure."""
-    try:
-        rc, out = helperproc.run_bounded(attach_argv(entry["vmid"], entry["argv"], attach), timeout)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "text": "did not end within %ss" % timeout}
-    except OSError as exc:
-        return {"ok": False, "text": "%s: %s" % (attach, exc.strerror or exc)}
-    text = " ".join(out.split())[:300]
-    if rc != 0:
-        return {"ok": False, "text": "exit %d: %s" % (rc, text or "no output")}
-    return {"ok": True, "text": text or "stopped"}
+    return run_on_node(attach_argv(entry["vmid"], entry["argv"], attach), timeout, "stopped")

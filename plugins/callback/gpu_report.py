@@ -9,12 +9,12 @@ type: aggregate
 short_description: One table per run of what each GPU held before and after a release
 description:
   - An aggregate callback that works beside any stdout callback. It reads the results of
-    M(gpuops.fleet.gpu_status), M(gpuops.fleet.gpu_release) and the role C(gpuops.fleet.release_gpus),
+    M(gpuops.fleet.gpu_info), M(gpuops.fleet.gpu_release) and the role C(gpuops.fleet.release_gpus),
     whether they ran in a container or on a node, and at the end of the run prints one table with a row per
     node, container and GPU.
   - Each row shows the MiB used before and after, the rung reached (C(none), C(stop) (freed by stopping a
     service, no signal), C(sigterm), C(sigkill), C(wait), C(reset)), what was stopped or signalled, and the verdict.
-  - Before is the first reading of the GPU in the run (M(gpuops.fleet.gpu_status), or the C(before) of
+  - Before is the first reading of the GPU in the run (M(gpuops.fleet.gpu_info), or the C(before) of
     M(gpuops.fleet.gpu_release)); after is the last. A GPU whose service the role stopped before any reading shows
     the MiB left after the stop.
   - "Verdicts: C(freed) (busy before, free after), C(free) (free before and after), C(busy) (still held),
@@ -25,7 +25,7 @@ description:
     C(playbooks/release_gpus.yml)) adds no row by itself; each container's own part of it does, through the role's
     C(release_gpus_result).
   - Rows are keyed by inventory host. The node is the host variable C(proxmox_node) (set by
-    gpuops.fleet.proxmox_gpu), else C(lab_node), else C(ansible_host); the container is C(pct_vmid),
+    gpuops.fleet.proxmox_gpu), else C(lab_node), else C(ansible_host); the container is C(ansible_pct_vmid), C(pct_vmid),
     C(proxmox_vmid) or C(vmid), and null for a node.
 version_added: 0.2.0
 author: gpuops (@gpuops)
@@ -45,13 +45,21 @@ options:
     ini:
       - section: gpuops_report
         key: report_path
+        deprecated:
+          why: the section is named as ansible-core names callback sections
+          version: 1.0.0
+          collection_name: gpuops.fleet
+          alternatives: the [callback_gpu_report] section
+      - section: callback_gpu_report
+        key: report_path
+        version_added: 0.2.0
 """
 
 EXAMPLES = r"""
 # ansible.cfg
 # [defaults]
 # callbacks_enabled = gpuops.fleet.gpu_report
-# [gpuops_report]
+# [callback_gpu_report]
 # report_path = /var/log/gpuops/window.json
 
 # or, for one run:
@@ -64,10 +72,10 @@ import os
 
 from ansible.plugins.callback import CallbackBase
 
-STATUS_ACTIONS = ("gpuops.fleet.gpu_status", "gpu_status")
+STATUS_ACTIONS = ("gpuops.fleet.gpu_info", "gpu_info", "gpuops.fleet.gpu_info", "gpu_status")   # the old name redirects
 RELEASE_ACTIONS = ("gpuops.fleet.gpu_release", "gpu_release")
 NODE_VARS = ("proxmox_node", "lab_node", "ansible_host")
-CONTAINER_VARS = ("pct_vmid", "proxmox_vmid", "vmid")
+CONTAINER_VARS = ("ansible_pct_vmid", "pct_vmid", "proxmox_vmid", "vmid")
 RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "container_restart", "reset")
 COLUMNS = (("node", "NODE"), ("container", "CT"), ("host", "HOST"), ("gpu_index", "GPU"), ("gpu_uuid", "UUID"),
            ("before_mib", "BEFORE MiB"), ("after_mib", "AFTER MiB"), ("rung", "RUNG"), ("verdict", "VERDICT"),

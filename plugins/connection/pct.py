@@ -18,6 +18,9 @@ description:
 author: gpuops maintainers (@gpuops)
 version_added: 0.1.0
 notes:
+  - "Host variables are named C(ansible_pct_*) (C(ansible_pct_vmid), C(ansible_pct_exec_method), ...), as ansible-core
+    names a connection's own variables. The older C(pct_*) names are aliases: they keep working, are deprecated, and
+    go in 1.0.0. Where both are set, C(ansible_pct_*) wins."
   - The node is O(host) (C(ansible_host)). A container runs only on one node at a time and moves on migration;
     the inventory must say where it is now. A wrong node fails with a message that names the node.
   - O(exec_method=lxc-attach) skips pct's Perl start-up (about 0.3 s a call). It also skips what pct checks
@@ -342,7 +345,8 @@ options:
   vmid:
     description:
       - VMID of the LXC container on the node O(host).
-      - C(pct_vmid) wins over C(proxmox_vmid), the variable that C(community.proxmox.proxmox_pct_remote) reads.
+      - C(ansible_pct_vmid) wins over C(pct_vmid), which wins over C(proxmox_vmid), the variable that
+        C(community.proxmox.proxmox_pct_remote) reads.
       - Required; a host without it fails with a message that names the variables.
       - Only a host variable sets it. There is no environment variable or ini key, because one default would send
         every host's tasks to the same container number on each node.
@@ -350,6 +354,8 @@ options:
     vars:
       - name: proxmox_vmid
       - name: pct_vmid
+      - name: ansible_pct_vmid
+        version_added: 0.2.0
   exec_method:
     description:
       - How the node enters the container.
@@ -362,6 +368,8 @@ options:
     choices: [pct, lxc-attach]
     vars:
       - name: pct_exec_method
+      - name: ansible_pct_exec_method
+        version_added: 0.2.0
     env:
       - name: ANSIBLE_PCT_EXEC_METHOD
     ini:
@@ -378,6 +386,8 @@ options:
     default: false
     vars:
       - name: pct_node_become
+      - name: ansible_pct_node_become
+        version_added: 0.2.0
     env:
       - name: ANSIBLE_PCT_NODE_BECOME
     ini:
@@ -389,6 +399,8 @@ options:
     default: /usr/sbin/pct
     vars:
       - name: pct_executable
+      - name: ansible_pct_executable
+        version_added: 0.2.0
     env:
       - name: ANSIBLE_PCT_EXECUTABLE
     ini:
@@ -400,6 +412,8 @@ options:
     default: /usr/bin/lxc-attach
     vars:
       - name: pct_lxc_attach_executable
+      - name: ansible_pct_lxc_attach_executable
+        version_added: 0.2.0
     env:
       - name: ANSIBLE_PCT_LXC_ATTACH_EXECUTABLE
     ini:
@@ -416,6 +430,8 @@ options:
     default: 300
     vars:
       - name: pct_transfer_timeout
+      - name: ansible_pct_transfer_timeout
+        version_added: 0.2.0
     env:
       - name: ANSIBLE_PCT_TRANSFER_TIMEOUT
     ini:
@@ -432,6 +448,8 @@ options:
     default: 0
     vars:
       - name: pct_command_timeout
+      - name: ansible_pct_command_timeout
+        version_added: 0.2.0
     env:
       - name: ANSIBLE_PCT_COMMAND_TIMEOUT
     ini:
@@ -458,7 +476,7 @@ EXAMPLES = r"""
   gather_facts: false
   tasks:
     - name: Show the containers' GPU memory
-      gpuops.fleet.gpu_status:
+      gpuops.fleet.gpu_info:
 
 - name: A node user that is not root runs pct through sudo on the node
   hosts: gpu_containers
@@ -543,7 +561,7 @@ class Connection(SSHConnection):
     def _vmid(self) -> int:
         vmid = self.get_option('vmid')
         if vmid is None:
-            raise AnsibleError('gpuops.fleet.pct: no container id; set pct_vmid (or proxmox_vmid) for this host')
+            raise AnsibleError('gpuops.fleet.pct: no container id; set ansible_pct_vmid (or pct_vmid, proxmox_vmid) for this host')
         return int(vmid)
 
     def _node_argv(self, container_argv: list[str]) -> list[str]:

@@ -65,7 +65,7 @@ options:
     type: bool
     default: true
 requirements:
-  - psutil (on the target, for gpuops.fleet.gpu_release; gpuops.fleet.gpu_status does not need it)
+  - psutil (on the target, for gpuops.fleet.gpu_release; gpuops.fleet.gpu_info does not need it)
   - nvidia-ml-py (on the target, C(import pynvml))
 notes:
   - Holders are found by reading C(/proc/PID/fd) and C(/proc/PID/maps) of every process (for a defunct thread-group

@@ -27,7 +27,7 @@ description:
     NVML names it (an entry whose pid has no context there is stale and pins nobody). One that NVML does not name
     (the forked child of a dead parent, a pid NVML hides) is pinned to GPU N only when NVML shows orphaned memory on
     N, the holder maps a context on N, and no other holder fits. Anything else is unpinned, and is signalled only
-    when every GPU it maps is targeted (see gpuops.fleet.gpu_status). A context on a GPU NVML cannot describe (lost,
+    when every GPU it maps is targeted (see gpuops.fleet.gpu_info). A context on a GPU NVML cannot describe (lost,
     or its calls fail) holds that GPU: such a holder is never signalled for it, and counts as collateral of unknown
     size."
   - "Collateral: a holder that also holds a GPU that is not targeted (beyond O(collateral_tolerance_mib), the size of
@@ -246,8 +246,8 @@ options:
   clean_shm:
     description:
       - When the targeted GPUs end free (already free, or verified free after the ladder), remove the GPU stacks'
-        shared-memory residue in C(/dev/shm), as M(gpuops.fleet.gpu_status) finds it (see
-        O(gpuops.fleet.gpu_status#module:shm_residue)), read afresh; from a node with O(containers), in each scoped
+        shared-memory residue in C(/dev/shm), as M(gpuops.fleet.gpu_info) finds it (see
+        O(gpuops.fleet.gpu_info#module:shm_residue)), read afresh; from a node with O(containers), in each scoped
         container's C(/dev/shm) (the node's own only with O(host_processes)); from a node without O(containers),
         the node's own.
       - Never a file a live process has open or maps, never one changed after the release started, never through a
@@ -298,7 +298,7 @@ options:
         description: CA bundle to verify the API's certificate with (C(/etc/pve/pve-root-ca.pem) on a node).
         type: path
 seealso:
-  - module: gpuops.fleet.gpu_status
+  - module: gpuops.fleet.gpu_info
 """
 
 EXAMPLES = r"""
@@ -478,7 +478,7 @@ plan:
     - C(job) is the job it belongs to (C(id), C(pids), C(gpus)), or null.
     - C(why) is C(pinned), C(unpinned_all_mapped), C(job_member) (stopped with its job, O(collateral=stop)) or
       C(job_residue) (this run saw a rank of its job die on a targeted GPU, and its peers keep residue there).
-    - C(evidence) is the holder's evidence (see gpuops.fleet.gpu_status).
+    - C(evidence) is the holder's evidence (see gpuops.fleet.gpu_info).
     - C(linked) lists the pids connected to it by TCP that are not of its job (see RV(linked)); they are signalled
       only for their own targeted GPUs.
   returned: always
@@ -512,14 +512,14 @@ linked:
   elements: dict
   sample: [{"pids": [90, 91], "why": "connected by TCP, not one job: no rank signature"}]
 nvml_stale:
-  description: NVML entries that pin nobody, as in gpuops.fleet.gpu_status (before the first signal).
+  description: NVML entries that pin nobody, as in gpuops.fleet.gpu_info (before the first signal).
   returned: always
   type: list
   elements: dict
   sample: []
 unknown_gpus:
   description:
-    - GPUs NVML cannot describe, as in gpuops.fleet.gpu_status (before the first signal). A holder with a context on
+    - GPUs NVML cannot describe, as in gpuops.fleet.gpu_info (before the first signal). A holder with a context on
       one is never signalled for it, and is stopped with a targeted GPU only with O(collateral=stop).
   returned: always
   type: list
@@ -823,7 +823,7 @@ def main():
                                       deadline=deadline, progress=progress)
     except ReleaseTimeout as exc:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        module.fail_json(msg="%s (timeout %ss); the state is unknown, run gpuops.fleet.gpu_status"
+        module.fail_json(msg="%s (timeout %ss); the state is unknown, run gpuops.fleet.gpu_info"
                          % (exc, params["timeout"]), elapsed_s=round(time.monotonic() - started, 3),
                          **backstop_result(progress))
     except Exception as exc:

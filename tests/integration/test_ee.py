@@ -1,6 +1,9 @@
-"""execution-environment.yml: `ansible-builder create` writes the build context (no container engine needed), and the
-context holds the collection, the Python requirements, bindep and the targets' wheels at the documented path; the
-role's offline install then works from that wheel folder, as release_gpus_wheel_dir=/opt/gpuops/wheels does in AWX."""
+"""The execution environment: the collection's meta/execution-environment.yml gives ansible-builder its
+controller requirements (introspected from an install of the built tarball, as the image's builder stage
+does), and the root execution-environment.yml is an example that installs gpuops.fleet by name and puts
+the targets' wheels at the documented path; the role's offline install then works from that wheel folder,
+as release_gpus_wheel_dir=/opt/gpuops/wheels does in AWX. `ansible-builder create` writes the build
+context; no container engine and no network are needed."""
 import json
 import os
 import shutil
@@ -17,14 +20,32 @@ EE_WHEEL_DIR = "/opt/gpuops/wheels"   # documented in README (AWX) and execution
 
 
 @pytest.fixture(scope="module")
+def tarball(tmp_path_factory):
+    out = tmp_path_factory.mktemp("build")
+    subprocess.run([os.path.join(VENV_BIN, "ansible-galaxy"), "collection", "build", "--force", "--output-path",
+                    str(out), REPO], check=True, stdout=subprocess.PIPE, timeout=300)
+    (built,) = out.glob("gpuops-fleet-*.tar.gz")
+    return built
+
+
+@pytest.fixture(scope="module")
+def installed(tarball, tmp_path_factory):
+    """The tarball installed as a Galaxy install would: {path}/ansible_collections/gpuops/fleet."""
+    path = tmp_path_factory.mktemp("collections")
+    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-galaxy"), "collection", "install", "--force", str(tarball),
+                           "-p", str(path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout
+    return path
+
+
+@pytest.fixture(scope="module")
 def context(tmp_path_factory):
-    """The EE file in a scratch folder beside a fresh collection tarball and the repo's wheels, and its context."""
+    """The example EE file in a scratch folder beside the repo's wheels, and its build context."""
     work = tmp_path_factory.mktemp("ee")
     shutil.copy(os.path.join(REPO, "execution-environment.yml"), work)
     os.makedirs(work / ".cache")
     os.symlink(os.path.join(REPO, ".cache", "wheels"), work / ".cache" / "wheels")
-    subprocess.run([os.path.join(VENV_BIN, "ansible-galaxy"), "collection", "build", "--force", "--output-path",
-                    str(work / ".cache" / "ee"), REPO], check=True, stdout=subprocess.PIPE, timeout=300)
     proc = subprocess.run([os.path.join(VENV_BIN, "ansible-builder"), "create", "-f", "execution-environment.yml",
                            "-c", "context", "--output-filename", "Containerfile"], cwd=work, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, universal_newlines=True, timeout=300, check=False)
@@ -33,44 +54,40 @@ def context(tmp_path_factory):
     return work / "context"
 
 
-def test_definition_is_version_3():
+def test_example_is_version_3_and_installs_the_collection_by_name(context):
     with open(os.path.join(REPO, "execution-environment.yml")) as handle:
         definition = yaml.safe_load(handle)
     assert definition["version"] == 3
-    assert {"proxmoxer>=2.0", "requests>=2.28"} <= set(definition["dependencies"]["python"])
-
-
-def test_context_holds_the_collection_that_installs(context, tmp_path):
     with open(context / "_build" / "requirements.yml") as handle:
         galaxy = yaml.safe_load(handle)
-    assert galaxy["collections"] == [{"name": "/build/collections/gpuops-fleet.tar.gz", "type": "file"}]
-    tarballs = list((context / "_build" / "collections").glob("gpuops-fleet-*.tar.gz"))
-    assert len(tarballs) == 1, tarballs
-    with tarfile.open(tarballs[0]) as tar:
+    assert galaxy["collections"] == [{"name": "gpuops.fleet"}]
+
+
+def test_tarball_installs_and_ships_no_lab_bench_ci_or_wheel(tarball, installed):
+    with tarfile.open(tarball) as tar:
         names = set(tar.getnames())
         manifest = json.load(tar.extractfile("MANIFEST.json"))
     assert (manifest["collection_info"]["namespace"], manifest["collection_info"]["name"]) == ("gpuops", "fleet")
     assert {"plugins/callback/gpu_report.py", "plugins/inventory/proxmox_gpu.py", "plugins/connection/pct.py",
-            "roles/release_gpus/tasks/main.yml", "playbooks/release_gpus.yml"} <= names
-    assert not any(n.startswith((".venv", ".cache", ".lab")) for n in names), "build_ignore leaked"
-    containerfile = (context / "Containerfile").read_text()
-    assert "RUN mv /build/collections/gpuops-fleet-*.tar.gz /build/collections/gpuops-fleet.tar.gz" in containerfile
-    # what the image's galaxy stage runs, here against the context's tarball
-    requirements = tmp_path / "requirements.yml"
-    requirements.write_text(yaml.safe_dump({"collections": [{"name": str(tarballs[0]), "type": "file"}]}))
-    installed = tmp_path / "collections"
-    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-galaxy"), "collection", "install", "--force", "-r", str(requirements),
-                           "-p", str(installed)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          universal_newlines=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stdout
+            "roles/release_gpus/tasks/main.yml", "playbooks/release_gpus.yml", "COPYING",
+            "meta/execution-environment.yml", "meta/ee-requirements.txt", "meta/ee-bindep.txt"} <= names
+    leaked = sorted(n for n in names if n.startswith((".venv", ".cache", ".lab", ".ci", "tests/lab", "tests/bench",
+                                                     "docs/facts")) or n.endswith(".whl") or n == "Makefile")
+    assert not leaked, "build_ignore leaked: %s" % leaked[:20]
     assert (installed / "ansible_collections" / "gpuops" / "fleet" / "plugins" / "callback" / "gpu_report.py").exists()
 
 
-def test_context_holds_python_requirements_and_bindep(context):
-    python = (context / "_build" / "requirements.txt").read_text().split()
-    assert python == ["proxmoxer>=2.0", "requests>=2.28"]
-    bindep = (context / "_build" / "bindep.txt").read_text().splitlines()
-    assert "openssh-client [platform:dpkg]" in bindep and "openssh-clients [platform:rpm]" in bindep
+def test_builder_reads_the_collections_python_requirements_and_bindep(installed, tmp_path):
+    """What the image's builder stage runs: introspect the installed collections."""
+    pip, bindep = tmp_path / "requirements.txt", tmp_path / "bindep.txt"
+    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-builder"), "introspect", "--write-pip", str(pip),
+                           "--write-bindep", str(bindep), str(installed)], stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout
+    python = [line.split("#")[0].strip() for line in pip.read_text().splitlines() if line.split("#")[0].strip()]
+    assert python == ["proxmoxer>=2.0", "requests>=2.28"], pip.read_text()
+    system = bindep.read_text()
+    assert "openssh-client [platform:dpkg]" in system and "openssh-clients [platform:rpm]" in system, system
 
 
 def test_context_puts_the_targets_wheels_at_the_documented_path(context):

@@ -116,7 +116,7 @@ def assert_task_gone_and_hang_real(lab, play):
 def test_hang_in_memory_call_ends_the_task_and_leaves_nothing_behind(lab, fault):
     run = lab.run("plain", 101, [0], mib=1024)
     fault("--gpu", 1, "--fault", "hang_memory")
-    play = bounded_play(lab, "ct101", "gpu_status", {"nvml_timeout": 1})
+    play = bounded_play(lab, "ct101", "gpu_info", {"nvml_timeout": 1})
     assert play.failed and "Traceback" not in play.output, play
     assert play["msg"].startswith("GPU 1") and "nvmlDeviceGetMemoryInfo did not return within 1s (NVML hang)" in play["msg"]
     assert gpu(play, 1)["free"] is False and gpu(play, 0)["error"] is None
@@ -148,7 +148,7 @@ def test_hang_in_process_list_ends_a_release_without_signals(lab, fault):
 
 def test_no_v2_call_is_unverifiable_and_never_free_or_reset(lab, fault):
     fault("--gpu", 1, "--fault", "no_v2")
-    status = bounded_play(lab, "ct101", "gpu_status", {"gpus": [1]})
+    status = bounded_play(lab, "ct101", "gpu_info", {"gpus": [1]})
     assert status.failed and gpu(status, 1)["free"] is False and status["all_free"] is False, status
     assert "memory unverifiable on this driver" in status["msg"] and "reserved_floor_mib" in status["msg"]
     lab.labctl("leak", "--node", "pve1", "--gpu", 1, "--mib", 2048)
@@ -161,7 +161,7 @@ def test_no_v2_call_is_unverifiable_and_never_free_or_reset(lab, fault):
 def test_no_v2_call_with_reserved_floor_is_an_estimate(lab, fault):
     run = lab.run("plain", 101, [1], mib=1024)
     fault("--gpu", 1, "--fault", "no_v2")
-    play = bounded_play(lab, "ct101", "gpu_status", {"gpus": [1], "reserved_floor_mib": 615})
+    play = bounded_play(lab, "ct101", "gpu_info", {"gpus": [1], "reserved_floor_mib": 615})
     assert not play.failed, play
     memory = gpu(play, 1)["memory"]
     assert memory["used_mib"] == 1024 and memory["v1_used_mib"] == 1024 + 615 and memory["estimated"] is True
@@ -288,7 +288,7 @@ def test_blocked_proc_read_is_bounded_and_reported(lab):
     try:
         holder = info["target"]
         assert info["states"][0][0] == "D", info
-        play = bounded_play(lab, "ct101", "gpu_status", {})
+        play = bounded_play(lab, "ct101", "gpu_info", {})
         assert "Traceback" not in play.output, play
         blocked = [u for u in play["unreadable"] if u["pid"] == holder]
         assert blocked and blocked[0]["reason"] == "blocked" and blocked[0]["state"] == "D", play["unreadable"]

@@ -440,7 +440,7 @@ def test_mps_clients_of_a_targeted_gpu_get_terminate_client_then_the_ladder(clea
     run = lab.run("mps", 101, [0, 1], mib=700)
     roles, ct = run["roles"], run["container_roles"]
     assert lab.used(0) == 700 + 66 and lab.used(1) == 700
-    status = lab.play("ct101", "gpu_status", {"gpus": [0, 1], "cmdline": False})
+    status = lab.play("ct101", "gpu_info", {"gpus": [0, 1], "cmdline": False})
     by_pid = dict((h["pid"], h) for h in status["holders"])
     assert by_pid[ct["server"]]["mps_role"] == "server" and by_pid[ct["client1"]]["mps_client_on"] == [1]
     assert [line for line in status["diagnosis"] if line.startswith("MPS: server pid %d (GPU 0 66 MiB)" % ct["server"])]

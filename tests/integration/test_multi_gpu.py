@@ -32,7 +32,7 @@ def used(lab):
 def test_one_holder_per_gpu_target_one_frees_only_it(clean):
     lab = clean
     runs = [lab.run("plain", 101, [i], mib=1024 + 100 * i) for i in range(3)]
-    status = lab.play("ct101", "gpu_status")
+    status = lab.play("ct101", "gpu_info")
     assert not status.failed, status
     by_pid = dict((h["pid"], h) for h in status["holders"])
     for i, run in enumerate(runs):
@@ -101,7 +101,7 @@ def test_residue_of_a_rank_that_died_before_the_run_is_unattributed_and_stops_no
     while (used(lab)[1] != 291 or host_alive(job["roles"]["rank1"])) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert used(lab)[1] == 291
-    status = lab.play("ct101", "gpu_status", {"gpus": [1]})
+    status = lab.play("ct101", "gpu_info", {"gpus": [1]})
     assert not status.failed, status
     survivors = sorted(job["container_roles"]["rank%d" % r] for r in (0, 2, 3))
     assert status["gpus"][0]["residue"] is None and status["gpus"][0]["unattributed_mib"] == 291
@@ -119,7 +119,7 @@ def test_two_dead_parents_each_child_pinned_to_its_own_gpu(clean):
     lab = clean
     run = lab.run("two_parents", 101, [1, 2], mib=1536)
     children = [run["container_roles"]["child0"], run["container_roles"]["child1"]]
-    status = lab.play("ct101", "gpu_status")
+    status = lab.play("ct101", "gpu_info")
     assert not status.failed, status
     pinned = dict((h["pid"], (h["gpus"], h["heir_of"])) for h in status["holders"])
     dead = [run["container_roles"]["parent0"], run["container_roles"]["parent1"]] \
@@ -152,7 +152,7 @@ def test_a_lost_untargeted_gpu_keeps_its_holder_alive_and_the_targets_are_freed(
     lab.labctl("fault", "--node", "pve1", "--gpu", 3, "--fault", "lost")
     try:
         play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0, 1, 2]))
-        status = lab.play("ct101", "gpu_status", {"gpus": [0, 1, 2]})   # all GPUs: it fails naming GPU 3
+        status = lab.play("ct101", "gpu_info", {"gpus": [0, 1, 2]})   # all GPUs: it fails naming GPU 3
     finally:
         lab.labctl("fault", "--node", "pve1", "--gpu", 3, "--fault", "none")
     assert not play.failed, play

@@ -63,7 +63,7 @@ def _flocked(path):
 def test_node_status_shows_every_containers_holders_with_vmid_and_container_pid(clean):
     a = clean.run("plain", 101, [0], mib=1000)
     b = clean.run("plain", 102, [0], mib=700)
-    play = clean.play("pve1", "gpu_status", {"cmdline": False})
+    play = clean.play("pve1", "gpu_info", {"cmdline": False})
     assert not play.failed, play
     assert play["view"] == "node" and play["in_container"] is False
     gpu = node_gpu(play, 0)
@@ -427,12 +427,12 @@ def test_shm_residue_is_read_in_the_container_and_from_the_node_and_a_used_segme
             102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
         assert mapped
         leak = {"path": "/dev/shm/nccl-leak", "bytes": 8192, "owner": "nccl"}
-        inside = clean.play("ct102", "gpu_status", {"cmdline": False})
+        inside = clean.play("ct102", "gpu_info", {"cmdline": False})
         assert not inside.failed and inside["shm_residue"] == [leak], inside
         assert "shm_residue_by_container" not in inside.result
         assert any(line.startswith("/dev/shm holds 1 GPU stack file no live process uses (8 KiB of nccl: "
                                    "/dev/shm/nccl-leak)") for line in inside["diagnosis"]), inside["diagnosis"]
-        outside = clean.play("pve1", "gpu_status", {"cmdline": False})
+        outside = clean.play("pve1", "gpu_info", {"cmdline": False})
         assert not outside.failed and outside["shm_residue_by_container"]["102"] == [leak], outside
         assert outside["shm_residue_by_container"]["101"] == []
         assert any(line.startswith("container 102: /dev/shm holds 1 GPU stack file") for line in outside["diagnosis"])
@@ -441,9 +441,9 @@ def test_shm_residue_is_read_in_the_container_and_from_the_node_and_a_used_segme
     assert wait_until(lambda: "/dev/shm/sgl_live" not in clean.exec(
         102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
     try:
-        after = clean.play("pve1", "gpu_status", {"cmdline": False})
+        after = clean.play("pve1", "gpu_info", {"cmdline": False})
         assert [e["path"] for e in after["shm_residue_by_container"]["102"]] == ["/dev/shm/nccl-leak", "/dev/shm/sgl_live"]
-        quiet = clean.play("ct102", "gpu_status", {"cmdline": False, "shm_residue": False})
+        quiet = clean.play("ct102", "gpu_info", {"cmdline": False, "shm_residue": False})
         assert "shm_residue" not in quiet.result
     finally:
         clean.exec(102, "sh", "-c", "rm -f /dev/shm/nccl-leak /dev/shm/PostgreSQL.1 /dev/shm/sgl_live")
@@ -494,7 +494,7 @@ def test_device_access_is_read_inside_each_container_from_the_node(clean):
                       "touch /run/rofs/nvidia1 && mount -o remount,ro /run/rofs && mount --bind /run/rofs/nvidia1 /dev/nvidia1")
     assert made.returncode == 0, made.stdout
     try:
-        play = clean.play("pve1", "gpu_status", {"cmdline": False})
+        play = clean.play("pve1", "gpu_info", {"cmdline": False})
     finally:
         undone = clean.exec(101, "sh", "-ec", "umount /dev/nvidia1 && umount /run/rofs")
     assert undone.returncode == 0, undone.stdout

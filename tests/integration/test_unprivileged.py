@@ -43,7 +43,7 @@ def test_gpu_status_reports_holder_and_survives_refused_proc_reads(lab):
                            " cat /proc/%d/wchan; echo; echo ok" % (pid, frozen))
         codes = [ln for ln in refused.stdout.splitlines() if ln.startswith("rc=")]
         assert codes[0] != "rc=0" and refused.stdout.rstrip().endswith("ok"), refused.stdout  # stack: refused
-        play = lab.play("ct101", "gpu_status")
+        play = lab.play("ct101", "gpu_info")
         assert play.failed is False, play
         h = holder(play, pid)
         assert h["gpus"] == [1] and "fd" in h["via"], h

@@ -34,7 +34,7 @@ def rows_of(entries, hostvars=None, failed=()):
 
 
 def status_result(used0, used1):
-    return {"host": "ct101", "action": "gpuops.fleet.gpu_status", "result": {"all_free": False, "gpus": [
+    return {"host": "ct101", "action": "gpuops.fleet.gpu_info", "result": {"all_free": False, "gpus": [
         {"index": 0, "uuid": GPU0, "memory": {"used_mib": used0}, "free": used0 == 0},
         {"index": 1, "uuid": GPU1, "memory": {"used_mib": used1}, "free": used1 == 0}]}}
 
@@ -94,7 +94,7 @@ def test_failed_release_without_a_reading_after_is_failed():
 
 def test_loop_results_are_read_item_by_item():
     status = status_result(0, 64)
-    looped = {"host": "ct101", "action": "gpuops.fleet.gpu_status", "result": {"results": [status["result"]]}}
+    looped = {"host": "ct101", "action": "gpuops.fleet.gpu_info", "result": {"results": [status["result"]]}}
     assert [r["after_mib"] for r in rows_of([looped])] == [0, 64]
 
 
@@ -127,7 +127,7 @@ def test_table_has_a_line_per_row_in_column_order():
 
 def test_node_side_status_gives_a_row_per_container_of_a_shared_gpu():
     def node_status(shares):
-        return {"host": "pve1", "action": "gpuops.fleet.gpu_status", "result": {"view": "node", "gpus": [
+        return {"host": "pve1", "action": "gpuops.fleet.gpu_info", "result": {"view": "node", "gpus": [
             {"index": 0, "uuid": GPU0, "memory": {"used_mib": sum(shares.values())}, "free": not sum(shares.values()),
              "by_container": shares}]}}
     rows = rows_of([node_status({"101": 1000, "102": 700}), node_status({"102": 700})],

@@ -52,6 +52,21 @@ def test_vmid_sources_pct_vmid_wins_over_proxmox_vmid():
     assert make_conn(pct_vmid=101, proxmox_vmid=205).get_option('vmid') == 101
 
 
+@pytest.mark.parametrize('option, old, new, old_value, new_value', [
+    ('vmid', 'pct_vmid', 'ansible_pct_vmid', 101, 202),
+    ('exec_method', 'pct_exec_method', 'ansible_pct_exec_method', 'pct', 'lxc-attach'),
+    ('node_become', 'pct_node_become', 'ansible_pct_node_become', False, True),
+    ('pct_executable', 'pct_executable', 'ansible_pct_executable', '/a/pct', '/b/pct'),
+    ('lxc_attach_executable', 'pct_lxc_attach_executable', 'ansible_pct_lxc_attach_executable', '/a/l', '/b/l'),
+    ('transfer_timeout', 'pct_transfer_timeout', 'ansible_pct_transfer_timeout', 10, 20),
+    ('command_timeout', 'pct_command_timeout', 'ansible_pct_command_timeout', 30, 40),
+])
+def test_ansible_pct_names_set_each_option_and_win_over_the_old_pct_aliases(option, old, new, old_value, new_value):
+    assert make_conn(**{old: old_value}).get_option(option) == old_value
+    assert make_conn(**{new: new_value, 'pct_vmid': 101 if old != 'pct_vmid' else None}).get_option(option) == new_value
+    assert make_conn(**{old: old_value, new: new_value}).get_option(option) == new_value
+
+
 def test_vmid_has_no_environment_or_ini_default(monkeypatch, tmp_path):
     """One default would send every host's tasks to the same container number on each node."""
     config = tmp_path / 'ansible.cfg'
@@ -61,7 +76,7 @@ def test_vmid_has_no_environment_or_ini_default(monkeypatch, tmp_path):
     conn = connection_loader.get('gpuops.fleet.pct', PlayContext())
     conn.set_options(var_options={'ansible_host': NODE})
     assert conn.get_option('vmid') is None
-    with pytest.raises(AnsibleError, match='set pct_vmid'):
+    with pytest.raises(AnsibleError, match='set ansible_pct_vmid'):
         conn._connect()
     doc = subprocess.run([os.path.join(os.path.dirname(sys.executable), 'ansible-doc'), '-t', 'connection', '--json',
                           'gpuops.fleet.pct'], capture_output=True, text=True, check=True).stdout
@@ -71,7 +86,7 @@ def test_vmid_has_no_environment_or_ini_default(monkeypatch, tmp_path):
 
 def test_missing_vmid_is_a_clear_error():
     conn = make_conn(pct_vmid=None)
-    with pytest.raises(AnsibleError, match='set pct_vmid'):
+    with pytest.raises(AnsibleError, match='set ansible_pct_vmid'):
         conn._connect()
 
 

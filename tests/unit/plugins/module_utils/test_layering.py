@@ -60,7 +60,7 @@ def test_a_file_imports_only_its_layer_or_lower(name):
 
 
 def test_read_only_gpu_status_depends_on_no_decision_or_signalling_code_and_not_on_psutil():
-    ours, packages = closure(os.path.join(PLUGINS, "modules", "gpu_status.py"))
+    ours, packages = closure(os.path.join(PLUGINS, "modules", "gpu_info.py"))
     assert sorted(o for o in ours if RANK[o] >= ORDER.index("decide")) == []
     assert "psutil" not in packages
 

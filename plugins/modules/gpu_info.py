@@ -5,10 +5,12 @@
 from __future__ import annotations
 
 DOCUMENTATION = r"""
-module: gpu_status
+module: gpu_info
 short_description: Who holds each NVIDIA GPU, and why its memory is not free
-version_added: 0.1.0
+version_added: 0.2.0
 description:
+  - This module was called C(gpuops.fleet.gpu_status) before 0.2.0; that name still works, redirected here, and is
+    deprecated (removed in 1.0.0).
   - Reports, for each selected GPU, its memory as NVML sees it, the processes that hold a context on it (found in
     C(/proc), not taken from NVML), the NVML-only clients that merely have the device files open, and what NVML's own
     process list says and whether it can be trusted here.
@@ -105,7 +107,7 @@ seealso:
 
 EXAMPLES = r"""
 - name: Who holds the GPUs of this container
-  gpuops.fleet.gpu_status:
+  gpuops.fleet.gpu_info:
   register: gpu
 
 - name: Show the diagnosis
@@ -113,14 +115,14 @@ EXAMPLES = r"""
     var: gpu.diagnosis
 
 - name: Look at two GPUs only, by index and by UUID, without command lines
-  gpuops.fleet.gpu_status:
+  gpuops.fleet.gpu_info:
     gpus:
       - 0
       - GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10
     cmdline: false
 
 - name: From the Proxmox node, every container's holders and each GPU's MiB by container
-  gpuops.fleet.gpu_status:
+  gpuops.fleet.gpu_info:
   delegate_to: pve1
   register: node_gpus
 
@@ -129,19 +131,19 @@ EXAMPLES = r"""
     msg: "{{ node_gpus.gpus[0].by_container }}"
 
 - name: Fail when a GPU is busy (more than 256 MiB beyond the reserved floor)
-  gpuops.fleet.gpu_status:
+  gpuops.fleet.gpu_info:
     threshold_mib: 256
   register: gpu
   failed_when: not gpu.all_free
 
 - name: Fail unless the next server (gpu_memory_utilization 0.9) can start on every GPU
-  gpuops.fleet.gpu_status:
+  gpuops.fleet.gpu_info:
     need_fraction: 0.9
   register: gpu
   failed_when: not gpu.ready
 
 - name: Mask connection strings too
-  gpuops.fleet.gpu_status:
+  gpuops.fleet.gpu_info:
     redact:
       - '://[^:/]+:([^@]+)@'
 """
@@ -731,7 +733,7 @@ def main():
         add_readiness(module, engine, report, result)
     except Exception as exc:
         engine.nvml.shutdown()
-        module.fail_json(msg="gpu_status failed: %s" % exc, exception=traceback.format_exc())
+        module.fail_json(msg="gpu_info failed: %s" % exc, exception=traceback.format_exc())
     engine.nvml.shutdown()
     errors = report.errors
     if errors:

@@ -9,7 +9,7 @@ COLL_LINK := $(SITE)/ansible_collections/gpuops/fleet
 WHEELS := .cache/wheels
 APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo openssl python3-venv shellcheck lxc lxcfs
 
-.PHONY: all venv system-packages test sanity unit lint test-lab integration test-stress test-deep test-respawn demo bench gpu-facts clean lab-down
+.PHONY: all venv system-packages test sanity unit lint test-lab integration test-stress test-deep test-respawn test-matrix demo bench gpu-facts clean lab-down
 
 all: test
 
@@ -54,6 +54,12 @@ test-deep: venv
 # Every timing-sensitive test (marker `timing`) 20 times in a row: pass rate and slowest run of each.
 test-stress: venv
 	@$(VPY) tests/tools/stress.py --rounds 20
+
+# The tests that depend on ansible-core's version (unit, the pct connection's integration tests, validate-modules
+# and import) against each supported ansible-core, 2.16 to 2.19; .ci/run calls it after make test.
+# MATRIX_VERSIONS picks some (.ci/run leaves out 2.19, which make test has just run).
+test-matrix: venv
+	@$(VPY) tests/tools/matrix.py --versions $${MATRIX_VERSIONS:-2.16 2.17 2.18 2.19}
 
 # The respawn tests alone, 20 rounds (supervisord, a shell loop, a Python loop, a parent named torchrun).
 test-respawn: venv

@@ -668,8 +668,9 @@ class Connection(SSHConnection):
         elsewhere = _NO_CONFIG.search(text)
         if elsewhere and elsewhere.group(2) == vmid:
             return AnsibleConnectionFailure(
-                "container %s is not on node %s (%s): pct found no nodes/%s/lxc/%s.conf there. Containers move "
-                "between nodes; use an inventory that tracks nodes (gpuops.fleet.proxmox_gpu reads them from the "
+                "container %s is not on node %s (%s): pct found no nodes/%s/lxc/%s.conf there; no such vmid on this "
+                "node (`pct list` on it shows its containers). A mistyped ansible_pct_vmid, or a container that moved: "
+                "use an inventory that tracks nodes (gpuops.fleet.proxmox_gpu reads them from the "
                 "Proxmox API) so that ansible_host names the node that hosts the container now."
                 % (vmid, elsewhere.group(1), self.host, elsewhere.group(1), vmid))
         if self._tool_missing(rc, text, tool):
@@ -938,8 +939,9 @@ class Connection(SSHConnection):
         so that it never blocks on a full pipe while this waits for it).
         """
         display.vvv('SSH: STREAM %s' % ' '.join(shlex.quote(to_text(c)) for c in cmd), host=self.host)
-        popen_kwargs = self._init_shm()
-        if self.sshpass_pipe:
+        # ansible-core 2.19 hands a password to ssh through shared memory (_init_shm); 2.16-2.18 only through sshpass
+        popen_kwargs = self._init_shm() if hasattr(self, '_init_shm') else {}
+        if getattr(self, 'sshpass_pipe', None):   # set by _build_command from 2.19; absent before a password on 2.16-2.18
             popen_kwargs['pass_fds'] = self.sshpass_pipe
         try:
             proc = subprocess.Popen(cmd, stdin=subprocess.PIPE if direction == 'put' else subprocess.DEVNULL,
@@ -948,7 +950,7 @@ class Connection(SSHConnection):
             self._cleanup_shm()
             raise AnsibleError('Unable to execute ssh command line on a controller: %s' % ex) from None
         conn_password = self.get_option('password') or self._play_context.password
-        if self.sshpass_pipe and conn_password:
+        if getattr(self, 'sshpass_pipe', None) and conn_password:
             os.close(self.sshpass_pipe[0])
             try:
                 os.write(self.sshpass_pipe[1], to_bytes(conn_password) + b'\n')
@@ -1037,7 +1039,7 @@ class Connection(SSHConnection):
 
     def _cleanup_shm(self) -> None:
         """Drop the shared memory that handed the password to ssh's askpass helper."""
-        if self.shm:
+        if getattr(self, 'shm', None):
             self.shm.close()
             try:
                 self.shm.unlink()

@@ -46,9 +46,12 @@ INIT_PID_NS_INODE = 0xEFFFFFFC  # the host's (initial) PID namespace
 
 def missing_lib_message(package, import_name):
     """One line naming the package and how to install it."""
+    python = sys.executable or "python3"
     return ("The Python library %s (import %s) is missing for %s on this host: install it with "
-            "'%s -m pip install %s' (or run the gpuops.fleet.release_gpus role, which installs it)"
-            % (package, import_name, sys.executable or "python3", sys.executable or "python3", package))
+            "'%s -m pip install %s' (or run the gpuops.fleet.release_gpus role, which installs it); where that "
+            "Python is externally managed (PEP 668: pip says externally-managed-environment), install it into a "
+            "virtual environment and point ansible_python_interpreter at its python, or let the role use its "
+            "wheel folder (release_gpus_wheel_dir)" % (package, import_name, python, python, package))
 
 
 def check_numbers(module, names, minimum=0.0, strict=False):

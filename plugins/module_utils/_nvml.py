@@ -52,12 +52,16 @@ except Exception as _exc:  # ImportError, or a broken install
 
 _ERROR_TEXT = {
     9: "the NVIDIA driver is not loaded (NVML_ERROR_DRIVER_NOT_LOADED)",
-    12: "libnvidia-ml.so.1 was not found (NVML_ERROR_LIBRARY_NOT_FOUND)",
+    12: "libnvidia-ml.so.1 was not found (NVML_ERROR_LIBRARY_NOT_FOUND); in an LXC container, install the node's "
+        "driver userland, the same version, with the driver's installer and --no-kernel-module, and pass "
+        "/dev/nvidiactl and /dev/nvidia-uvm in beside /dev/nvidiaN",
     13: "the NVML library lacks a function (NVML_ERROR_FUNCTION_NOT_FOUND)",
     15: "the GPU is lost (NVML_ERROR_GPU_IS_LOST): it fell off the bus or the driver lost it; "
         "only a reset or a node reboot brings it back",
     16: "the GPU needs a reset (NVML_ERROR_RESET_REQUIRED)",
-    18: "the NVML library and the kernel driver versions differ (NVML_ERROR_LIB_RM_VERSION_MISMATCH)",
+    18: "the NVML library and the kernel driver versions differ (NVML_ERROR_LIB_RM_VERSION_MISMATCH); in an LXC "
+        "container, install the node's driver version of the userland (the driver's installer with "
+        "--no-kernel-module), since the container shares the node's kernel module",
 }
 
 # Runs in the helper: one JSON request per line on stdin, one JSON answer per line on stdout.

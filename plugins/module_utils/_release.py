@@ -1122,7 +1122,7 @@ def per_container(before, after, releaser, refused=()):
         out.append({"vmid": int(vmid), "changed": bool(done) if after is not None else bool(planned),
                     "verdict": verdict, "gpus": rows, "planned": planned, "found_units": units_here,
                     "stopped": [u["name"] for u in units_here if u.get("outcome", "").startswith("done")],
-                    "actions": [dict((k, a[k]) for k in ("pid", "name", "signal", "outcome") if k in a) for a in signals],
+                    "actions": [dict((k, a[k]) for k in ("pid", "name", "signal", "outcome", "task") if k in a) for a in signals],
                     "not_signalled": [dict(s) for s in releaser.skipped if s["pid"] in pids]})
     return out
 

@@ -101,7 +101,9 @@ class ApiBackend(object):
                     self.nodes[str(res.get("vmid"))] = res.get("node")
         found = self.nodes.get(str(vmid))
         if found is None:
-            raise RestartError("the Proxmox API lists no container %s" % vmid)
+            raise RestartError("the Proxmox API lists no container %s: no such vmid (`pct list` on its node), or the "
+                               "user or token lacks VM.Audit on /vms/%s (Proxmox hides what it may not see)"
+                               % (vmid, vmid))
         return found
 
     def lock_of(self, vmid):
@@ -136,6 +138,31 @@ class ApiBackend(object):
 
     def start(self, vmid, timeout):
         return self._task("start", vmid, timeout)
+
+
+def api_credentials(params):
+    """The container rung's API credentials from the module's options (community.proxmox's names, or the deprecated
+    proxmox_api dict), or None for pct on the node. Raises RestartError naming what is missing."""
+    old = params.get("proxmox_api")
+    host = params.get("api_host")
+    timeout = params.get("api_timeout") or 10
+    if host and old:
+        raise RestartError("give the Proxmox API either as api_host, api_user, ... or as proxmox_api (deprecated), "
+                           "not both")
+    if old:
+        return dict(old, timeout=timeout)
+    if not host:
+        return None
+    if not params.get("api_user"):
+        raise RestartError("api_host %s needs api_user (or PROXMOX_USER), USER@REALM" % host)
+    if not params.get("api_password") and not (params.get("api_token_id") and params.get("api_token_secret")):
+        raise RestartError("api_host %s needs api_token_id and api_token_secret (or PROXMOX_TOKEN_ID and "
+                           "PROXMOX_TOKEN_SECRET), or api_password (PROXMOX_PASSWORD)" % host)
+    validate = params.get("validate_certs")
+    return {"host": host, "port": params.get("api_port") or 8006, "user": params["api_user"],
+            "token_id": params.get("api_token_id"), "token_secret": params.get("api_token_secret"),
+            "password": params.get("api_password"), "validate_certs": True if validate is None else validate,
+            "ca_path": params.get("ca_path"), "timeout": timeout}
 
 
 def backend_for(api):

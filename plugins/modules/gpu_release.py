@@ -59,6 +59,7 @@ author:
 extends_documentation_fragment:
   - gpuops.fleet._gpu
   - gpuops.fleet._gpu.attributes
+  - gpuops.fleet._proxmox_api
 attributes:
   check_mode:
     support: full
@@ -208,7 +209,7 @@ options:
         naming the lock or the HA resource.
       - A thread stuck in the driver (D state) survives a container stop too; the stop then times out and the task
         fails naming the thread's wchan.
-      - Through the Proxmox API with O(proxmox_api), else with C(pct stop) and C(pct start) on the node.
+      - Through the Proxmox API with O(api_host) (or C(PROXMOX_HOST)), else with C(pct stop) and C(pct start) on the node.
     type: bool
     default: false
   container_timeout:
@@ -264,9 +265,10 @@ options:
     default: []
   proxmox_api:
     description:
-      - Credentials for the container rung's Proxmox API calls (C(status/stop), C(status/start), waiting for both
-        tasks, C(config) for the lock and C(cluster/ha/resources)). Needs proxmoxer and requests on the node.
-      - Without it, C(pct) and the files under C(/etc/pve) of the node are used.
+      - Deprecated, removed in 1.0.0. Give O(api_host), O(api_user), O(api_token_id), O(api_token_secret) (or
+        O(api_password)), O(validate_certs) and O(ca_path) instead, with their C(PROXMOX_*) environment variables.
+      - Credentials for the container rung's Proxmox API calls, as C(host), C(port), C(user), C(token_id),
+        C(token_secret), C(password), C(validate_certs) and C(ca_path).
     type: dict
     suboptions:
       host:
@@ -336,12 +338,23 @@ EXAMPLES = r"""
     gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
     containers: [101]
     container_restart: true
-    proxmox_api:
-      host: pve1.example.com
-      user: gpuops@pve
-      token_id: release
-      token_secret: "{{ vault_pve_token }}"
-      ca_path: /etc/pve/pve-root-ca.pem
+    api_host: pve1.example.com
+    api_user: gpuops@pve
+    api_token_id: release
+    api_token_secret: "{{ vault_pve_token }}"
+    ca_path: /etc/pve/pve-root-ca.pem
+  delegate_to: pve1
+
+- name: The same, with the credentials in the node's PROXMOX_* environment (as community.proxmox reads them)
+  gpuops.fleet.gpu_release:
+    gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
+    containers: [101]
+    container_restart: true
+  environment:
+    PROXMOX_HOST: pve1.example.com
+    PROXMOX_USER: gpuops@pve
+    PROXMOX_TOKEN_ID: release
+    PROXMOX_TOKEN_SECRET: "{{ vault_pve_token }}"
   delegate_to: pve1
 
 - name: Reset a GPU whose memory leaked (only from the node; refused while anything has it open)
@@ -575,7 +588,8 @@ per_container:
     - C(changed) is true when something of it was signalled, stopped or restarted (in check mode, when something of it
       is planned). C(verdict) is C(free), C(busy), C(planned) or C(nothing to do) (check mode), or, with C(reason),
       C(skipped) for a locked container or C(refused) for one left out by a refusal (see O(containers)).
-    - C(planned) lists its pids in RV(plan); C(actions) the signals, stops and restarts that concern it;
+    - C(planned) lists its pids in RV(plan); C(actions) the signals, stops and restarts that concern it (a restart
+      with its C(task), the Proxmox task id or the pct command);
       C(not_signalled) its holders left alone; C(found_units) its part of RV(found_units) and C(stopped) the names
       of those stopped.
     - Each of its C(gpus) also has C(rung) (C(none) when it held nothing there, else the strongest step taken for
@@ -666,7 +680,7 @@ import signal
 import time
 import traceback
 
-from ansible.module_utils.basic import AnsibleModule
+from ansible.module_utils.basic import AnsibleModule, env_fallback
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
     GPU_COMMON_ARGS, check_common_params, check_libraries, check_numbers, check_shm_prefixes, engine_from_params,
@@ -751,7 +765,7 @@ def main():
         stop_concurrency=dict(type="int", default=4),
         clean_shm=dict(type="bool", default=False),
         shm_prefixes=dict(type="list", elements="str", default=[]),
-        proxmox_api=dict(type="dict", options=dict(
+        proxmox_api=dict(type="dict", removed_in_version="1.0.0", removed_from_collection="gpuops.fleet", options=dict(
             host=dict(type="str", required=True),
             port=dict(type="int", default=8006),
             user=dict(type="str", required=True),
@@ -761,6 +775,15 @@ def main():
             validate_certs=dict(type="bool", default=True),
             ca_path=dict(type="path"),
         )),
+        api_host=dict(type="str", fallback=(env_fallback, ["PROXMOX_HOST"])),
+        api_port=dict(type="int", fallback=(env_fallback, ["PROXMOX_PORT"])),
+        api_user=dict(type="str", fallback=(env_fallback, ["PROXMOX_USER"])),
+        api_password=dict(type="str", no_log=True, fallback=(env_fallback, ["PROXMOX_PASSWORD"])),
+        api_token_id=dict(type="str", no_log=False, fallback=(env_fallback, ["PROXMOX_TOKEN_ID"])),
+        api_token_secret=dict(type="str", no_log=True, fallback=(env_fallback, ["PROXMOX_TOKEN_SECRET"])),
+        validate_certs=dict(type="bool", fallback=(env_fallback, ["PROXMOX_VALIDATE_CERTS"])),
+        ca_path=dict(type="path", fallback=(env_fallback, ["PROXMOX_CA_PATH"])),
+        api_timeout=dict(type="int", fallback=(env_fallback, ["PROXMOX_API_TIMEOUT"])),
     )
     module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
     started = time.monotonic()
@@ -816,7 +839,7 @@ def main():
                        shm_prefixes=prefixes if params["clean_shm"] else None)
         if params["container_restart"]:
             try:
-                options["restart_backend"] = restart.backend_for(params["proxmox_api"])
+                options["restart_backend"] = restart.backend_for(restart.api_credentials(params))
             except restart.RestartError as exc:
                 module.fail_json(msg="%s; nothing was signalled" % exc, changed=False)
         failed, msg, result = release(engine, targets, options, check_mode=module.check_mode, log=module.log,

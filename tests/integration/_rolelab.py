@@ -148,6 +148,9 @@ class RoleLab:
             cmd.append("--check")
         proc = subprocess.run(cmd, cwd=REPO, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                               universal_newlines=True, timeout=400, check=False)
+        if proc.returncode:
+            # shown whole under "Captured stdout" when the test fails (an assertion message is cut short)
+            print("ansible-playbook %s exit %d:\n%s" % (name, proc.returncode, proc.stdout[-20000:]))
         recap = parse_recap(proc.stdout)
         reports = {}
         for entry in os.listdir(report_dir):

@@ -8,15 +8,17 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import tarfile
 
 import pytest
 import yaml
+from ansible import __version__ as ansible_version
 
 from _rolelab import REPO, VENV_BIN, RoleLab, alive, make_venv
 
 LAB_ID = os.environ.get("EE_TEST_LAB_ID", "r13ee")
-EE_WHEEL_DIR = "/opt/gpuops/wheels"   # documented in README (AWX) and execution-environment.yml
+EE_WHEEL_DIR = "/opt/gpuops/wheels"   # documented in the AWX guide and execution-environment.yml
 
 
 @pytest.fixture(scope="module")
@@ -94,13 +96,22 @@ def test_context_puts_the_targets_wheels_at_the_documented_path(context):
     wheels = sorted(p.name for p in (context / "_build" / "wheels").glob("*.whl"))
     assert any(w.startswith("psutil-") for w in wheels) and any(w.startswith("nvidia_ml_py-") for w in wheels), wheels
     assert "COPY _build/wheels/ %s/" % EE_WHEEL_DIR in (context / "Containerfile").read_text()
-    with open(os.path.join(REPO, "README.md")) as handle:
+    with open(os.path.join(REPO, "docs", "docsite", "rst", "guide_awx.rst")) as handle:
         assert "release_gpus_wheel_dir: %s" % EE_WHEEL_DIR in handle.read()
 
 
-def test_role_installs_offline_from_the_ee_wheel_folder(context):
+@pytest.fixture(scope="module")
+def lab():
+    """One lab node with one container, for both tests that run the role (its own lab: one bring-up)."""
+    built = RoleLab(LAB_ID, nodes=1, containers=1)
+    try:
+        yield built
+    finally:
+        built.down()
+
+
+def test_role_installs_offline_from_the_ee_wheel_folder(context, lab):
     """The wheels as the EE ships them reach a target without psutil/nvidia-ml-py and no pip."""
-    lab = RoleLab(LAB_ID, nodes=1, containers=1)
     root = os.path.join(REPO, ".lab", "ee-tests-%s" % lab.lab_id)
     shutil.rmtree(root, ignore_errors=True)
     try:
@@ -117,4 +128,41 @@ def test_role_installs_offline_from_the_ee_wheel_folder(context):
         assert not alive(holder["holders"][0]) and lab.gpus()[("101", 0)] == 0
     finally:
         shutil.rmtree(root, ignore_errors=True)
-        lab.down()
+
+
+def test_an_operator_installs_the_tarball_and_runs_the_playbooks_by_name(tarball, lab, tmp_path):
+    """Issue 22: a fresh venv with only ansible-core, the built tarball installed by ansible-galaxy, and no clone on
+    any path: `ansible-playbook gpuops.fleet.release_gpus --check` plans and changes nothing, the real run frees
+    the GPU, and `ansible-doc gpuops.fleet.gpu_info` renders."""
+    venv, collections = tmp_path / "operator", tmp_path / "collections"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
+    bindir = str(venv / "bin")
+    pip = subprocess.run([os.path.join(bindir, "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                          "ansible-core==%s" % ansible_version], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         universal_newlines=True, timeout=600, check=False)
+    assert pip.returncode == 0, pip.stdout
+    env = dict(lab.env, ANSIBLE_COLLECTIONS_PATH=str(collections), PATH=bindir + os.pathsep + os.environ["PATH"],
+               ANSIBLE_CALLBACKS_ENABLED="gpuops.fleet.gpu_report", GPUOPS_REPORT_PATH=str(tmp_path / "rows.json"))
+    env.pop("PYTHONPATH", None)
+
+    def run(*argv):
+        return subprocess.run([os.path.join(bindir, argv[0])] + list(argv[1:]), cwd=str(tmp_path), env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=600,
+                              check=False)
+    installed = run("ansible-galaxy", "collection", "install", str(tarball), "-p", str(collections))
+    assert installed.returncode == 0, installed.stdout
+    listed = run("ansible-galaxy", "collection", "list", "gpuops.fleet", "--format", "json")
+    assert list(json.loads(listed.stdout)) == [str(collections / "ansible_collections")], listed.stdout   # no clone
+    holder = lab.run("plain", 101, [0], 256)
+    check = run("ansible-playbook", "-i", lab.inventory, "gpuops.fleet.release_gpus", "--check")
+    assert check.returncode == 0, check.stdout
+    assert alive(holder["holders"][0]) and lab.gpus()[("101", 0)] == 256, check.stdout
+    with open(tmp_path / "rows.json") as handle:
+        assert [r["verdict"] for r in json.load(handle)["rows"] if r["gpu_index"] == 0] == ["check"]
+    play = run("ansible-playbook", "-i", lab.inventory, "gpuops.fleet.release_gpus")
+    assert play.returncode == 0, play.stdout
+    assert not alive(holder["holders"][0]) and lab.gpus()[("101", 0)] == 0, play.stdout
+    with open(tmp_path / "rows.json") as handle:
+        assert [r["verdict"] for r in json.load(handle)["rows"] if r["gpu_index"] == 0] == ["freed"]
+    doc = run("ansible-doc", "gpuops.fleet.gpu_info")
+    assert doc.returncode == 0 and doc.stdout.startswith("> MODULE gpuops.fleet.gpu_info (%s" % collections), doc.stdout

@@ -12,6 +12,7 @@ import subprocess
 import tempfile
 
 import pytest
+import yaml
 
 from _enginelab import REPO, VENV_BIN, EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab, wait_until
@@ -190,23 +191,73 @@ def test_container_rung_fails_precisely_on_a_thread_stuck_in_the_driver(clean):
     assert [a["outcome"][:6] for a in play["actions"] if a["signal"] == "container_stop"] == ["failed"]
 
 
-def test_container_rung_through_the_proxmox_api_waits_for_both_tasks(clean):
+def _api_credentials(clean):
+    """The lab API's credentials, as an AWX credential gives them: PROXMOX_URL, PROXMOX_USER, ..."""
     from lablib import pveapi
     status = json.loads(clean.labctl("status", parse=False))
-    api = status["api"]
-    host = api["url"].split("//")[1].split(":")[0]
-    credentials = {"host": host, "port": pveapi.PORT, "user": pveapi.USER, "token_id": pveapi.TOKEN_ID,
-                   "token_secret": pveapi.read_secret(os.path.dirname(status["inventory"]), "token"), "ca_path": api["ca"]}
+    return {"PROXMOX_URL": status["api"]["url"].rsplit("/api2/json", 1)[0], "PROXMOX_USER": pveapi.USER,
+            "PROXMOX_TOKEN_ID": pveapi.TOKEN_ID, "PROXMOX_CA_PATH": status["api"]["ca"],
+            "PROXMOX_TOKEN_SECRET": pveapi.read_secret(os.path.dirname(status["inventory"]), "token")}
+
+
+def test_container_rung_through_the_proxmox_api_waits_for_both_tasks(clean):
+    """The credentials under community.proxmox's names, from the node's PROXMOX_* environment (the task's)."""
+    creds = _api_credentials(clean)
+    host = creds["PROXMOX_URL"].split("//")[1].split(":")[0]
+    environment = {"PROXMOX_HOST": host, "PROXMOX_PORT": creds["PROXMOX_URL"].rsplit(":", 1)[1],
+                   "PROXMOX_USER": creds["PROXMOX_USER"], "PROXMOX_TOKEN_ID": creds["PROXMOX_TOKEN_ID"],
+                   "PROXMOX_TOKEN_SECRET": creds["PROXMOX_TOKEN_SECRET"], "PROXMOX_CA_PATH": creds["PROXMOX_CA_PATH"]}
     run = clean.run("launcher_respawn", 101, [0], mib=900)
-    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], container_restart=True,
-                                                  proxmox_api=credentials))
+    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], container_restart=True),
+                      task_extra={"environment": environment})
     assert not play.failed and play["rung_reached"] == "container_restart", play
     assert play["restart_plan"][0]["backend"] == "api"
     steps = [a for a in play["actions"] if a.get("vmid") == 101]
     assert [(a["signal"], a["outcome"][:4]) for a in steps] == [("container_stop", "done"), ("container_start", "done")]
     assert all(a["task"].startswith("UPID:pve1:") and ":vzst" in a["task"] for a in steps), steps
-    assert credentials["token_secret"] not in play.output
+    assert creds["PROXMOX_TOKEN_SECRET"] not in play.output
     assert not host_alive(run["roles"]["launcher"]) and clean.used(0) == 0
+    clean.wait_supervisord(101)
+    # a user without a secret fails before anything is signalled, naming what is missing
+    run = clean.run("launcher_respawn", 101, [0], mib=900)
+    bad = dict(environment)
+    del bad["PROXMOX_TOKEN_SECRET"]
+    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], container_restart=True),
+                      task_extra={"environment": bad})
+    assert play.failed and "needs api_token_id and api_token_secret" in play["msg"], play
+    assert "nothing was signalled" in play["msg"] and host_alive(run["roles"]["launcher"]) and clean.used(0) == 900
+
+
+def test_an_awx_style_credential_drives_the_inventory_and_the_roles_restart_rung(clean, tmp_path):
+    """Issue 22: PROXMOX_URL, PROXMOX_USER, PROXMOX_TOKEN_ID, PROXMOX_TOKEN_SECRET and PROXMOX_CA_PATH in the
+    controller's environment and nowhere else (what an AWX credential injects): the inventory reads the API with
+    them, and the role passes them to the container rung, which restarts the container through the API."""
+    creds = _api_credentials(clean)
+    with open(clean.labctl("inventory", "--api", parse=False)) as f:
+        conf = yaml.safe_load(f)
+    for key in ("url", "user", "token_id", "token_secret", "password", "ca_path"):
+        conf.pop(key, None)
+    conf["hostname"] = "{{ node }}-{{ vmid }}"
+    inventory = tmp_path / "awx.proxmox_gpu.yml"
+    inventory.write_text(yaml.safe_dump(conf))
+    run = clean.run("launcher_respawn", 101, [0], mib=900)
+    report_dir = tempfile.mkdtemp(dir=clean.workdir, prefix="report-")
+    variables = {"release_gpus_report_dir": report_dir, "release_gpus_install_deps": False,
+                 "release_gpus_container_restart": True, "release_gpus_term_timeout": 1,
+                 "release_gpus_kill_timeout": 2, "release_gpus_verify_timeout": 3}
+    env = dict(clean.env, **creds)
+    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", str(inventory),
+                           os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "pve1-101",
+                           "-e", json.dumps(variables)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout
+    assert creds["PROXMOX_TOKEN_SECRET"] not in proc.stdout
+    with open(os.path.join(report_dir, "pve1-101.json")) as f:
+        result = json.load(f)
+    steps = [a for a in result["actions"] if a.get("signal", "").startswith("container_")]
+    assert [(a["signal"], a["outcome"][:4]) for a in steps] == [("container_stop", "done"), ("container_start", "done")]
+    assert all(a["task"].startswith("UPID:pve1:") for a in steps), steps     # the API's tasks, not pct's
+    assert result["all_free"] is True and not host_alive(run["roles"]["launcher"]) and clean.used(0) == 0
     clean.wait_supervisord(101)
 
 

@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import textwrap
 
 import pytest
 import yaml
@@ -130,10 +131,11 @@ def test_predeploy_check_exits_4_when_a_container_is_unreachable(clean):
 
 
 def readme_deploy_script():
-    with open(os.path.join(REPO, "README.md")) as handle:
+    """The deploy script of the pre-deploy guide, as written there (an RST code block between two comments)."""
+    with open(os.path.join(REPO, "docs", "docsite", "rst", "guide_predeploy.rst")) as handle:
         text = handle.read()
-    block = text.split("<!-- predeploy-deploy-script -->", 1)[1].split("<!-- /predeploy-deploy-script -->", 1)[0]
-    return block.split("```sh\n", 1)[1].rsplit("```", 1)[0]
+    block = text.split(".. predeploy-deploy-script", 1)[1].split(".. /predeploy-deploy-script", 1)[0]
+    return textwrap.dedent(block.split(".. code:: sh\n", 1)[1]).strip() + "\n"
 
 
 @pytest.mark.parametrize("busy", [False, True], ids=["free", "busy"])

@@ -1,7 +1,7 @@
 """Run every test stage of gpuops.fleet and end with one pytest-style summary line.
 
 Stages: sanity (ansible-test on a copy of the tracked files), unit (pytest),
-lint (ansible-lint, production profile), lab (the lab's self-tests, tests/integration/test_lab*.py),
+lint (ansible-lint, production profile, and antsibull-docs lint-collection-docs), lab (the lab's self-tests, tests/integration/test_lab*.py),
 integration (pytest against the lab). Sanity and lint run in a second process beside the others
 (their output is printed when they end); the lab stage runs before integration, and a broken lab
 stops the run there. Tests marked `timing` run --timing-repeat times (GPUOPS_TIMING_REPEAT).
@@ -221,6 +221,14 @@ def run_lint(tally):
         tally.add(1, 0)
     else:
         tally.add(0, 1, failures=["ansible-lint"])
+    banner("antsibull-docs lint-collection-docs (guides and every plugin's and role's docs)")
+    proc = subprocess.run([os.path.join(VENV_BIN, "antsibull-docs"), "lint-collection-docs", "--plugin-docs", REPO],
+                          cwd=REPO, env=env, check=False, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print(proc.stdout[-20000:] or "passed", flush=True)
+    if proc.returncode == 0:
+        tally.add(1, 0)
+    else:
+        tally.add(0, 1, failures=["antsibull-docs lint-collection-docs"])
 
 
 def check_reliability(tally):

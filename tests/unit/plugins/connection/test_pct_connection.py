@@ -434,8 +434,9 @@ def test_pct_errors_are_recognised_on_any_exit_code(tmp_path):
         exit 2
         """)
     conn = local_conn(tmp_path, stand_in(tmp_path, 'ssh', LOCAL_SSH), pct)
-    with pytest.raises(AnsibleConnectionFailure, match='container 101 is not on node pve2'):
+    with pytest.raises(AnsibleConnectionFailure, match='container 101 is not on node pve2') as failure:
         conn.exec_command('true', sudoable=False)
+    assert 'no such vmid on this node (`pct list`' in str(failure.value)   # issue 22: a mistyped vmid's remedy
 
 
 def test_container_command_exiting_255_is_a_result_not_unreachable(tmp_path, local_node):
@@ -678,3 +679,14 @@ def test_a_transfer_stuck_on_the_node_ends_at_transfer_timeout(local_node, tmp_p
         assert time.monotonic() - started < 30      # the stand-in pct sleeps 60 s
         assert 'transfer_timeout' in str(info.value) and '\n' not in str(info.value), str(info.value)
     assert not (tmp_path / 'back').exists()
+
+
+def test_the_private_ssh_internals_this_plugin_relies_on_by_core_version():
+    """Where ansible-core's ssh plugin differs by version (make test-matrix runs 2.16 to 2.19): _build_command and
+    _bare_run are in every one; _init_shm (a password handed to ssh through shared memory) and sshpass_pipe set up
+    front only from 2.19, so the plugin's streaming put/fetch uses them only where they exist."""
+    from ansible import __version__ as core_version
+    from ansible.plugins.connection import ssh
+    core = tuple(int(part) for part in core_version.split('.')[:2])
+    assert callable(getattr(ssh.Connection, '_build_command')) and callable(getattr(ssh.Connection, '_bare_run'))
+    assert hasattr(ssh.Connection, '_init_shm') == (core >= (2, 19))

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml, NvmlFailure
+from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml, NvmlFailure, describe_nvml_error
 
 from fake_nvml import FakeNvml, NVMLError
 
@@ -229,3 +229,15 @@ def test_an_old_nvidia_ml_py_reaches_the_floor_fallback():
     with pytest.raises(NvmlFailure) as failure:
         bare.memory(0)
     assert failure.value.kind == "unverifiable" and "upgrade nvidia-ml-py" in failure.value.message
+
+
+@pytest.mark.parametrize("code, words", [
+    (12, ["libnvidia-ml.so.1 was not found", "--no-kernel-module", "/dev/nvidiactl", "/dev/nvidia-uvm"]),
+    (18, ["versions differ", "--no-kernel-module", "the node's driver version"]),
+])
+def test_a_missing_or_mismatched_nvml_names_the_remedy_in_a_container(code, words):
+    """Issue 22: the two failures a new LXC container shows first say what to install and what to pass in."""
+    class Error(Exception):
+        value = code
+    dummy, text = describe_nvml_error(Error())
+    assert all(word in text for word in words), text

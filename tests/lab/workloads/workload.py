@@ -302,6 +302,23 @@ def child_body(report_fd, body):
     os._exit(0)
 
 
+def fork_ready_child(read_fd, write_fd, setup):
+    """Forks a child that runs setup() (it returns what must stay alive), says "ready" on write_fd and lives on;
+    returns its pid."""
+    def body():
+        os.close(read_fd)
+        keep = setup()
+        os.write(write_fd, b"ready\n")
+        sleep_forever()
+        return keep
+
+    child = os.fork()
+    if child == 0:
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        child_body(write_fd, body)
+    return child
+
+
 # ---- scenarios: each reports once, then lives on ----
 
 def run_holder(args, reporter, role="holder"):
@@ -396,17 +413,10 @@ def run_tp_server(args, reporter):
     workers = []
     for rank, minor in enumerate(args.minors):
         def worker(rank=rank, minor=minor):
-            os.close(read_fd)
             set_name("tp_worker%d" % rank)
-            keep = make_contexts(args, [minor])
-            os.write(write_fd, b"ready\n")
-            sleep_forever()
-            return keep
+            return make_contexts(args, [minor])
 
-        child = os.fork()
-        if child == 0:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            child_body(write_fd, worker)
+        child = fork_ready_child(read_fd, write_fd, worker)
         roles["worker%d" % rank] = child
         workers.append(child)
     os.close(write_fd)
@@ -445,17 +455,11 @@ def run_mps(args, reporter):
     clients = []
     for number, minor in enumerate(args.minors):
         def client(minor=minor):
-            os.close(read_fd)
             keep = make_contexts(args, [minor], mps=True)
             mps_ask(pipe, "register %d" % os.getpid())
-            os.write(write_fd, b"ready\n")
-            sleep_forever()
             return keep
 
-        child = os.fork()
-        if child == 0:
-            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-            child_body(write_fd, client)
+        child = fork_ready_child(read_fd, write_fd, client)
         roles["client%d" % number] = child
         clients.append(child)
     os.close(write_fd)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 class ModuleDocFragment(object):
 
-    # Options shared by gpu_status and gpu_release (argument_spec: _gpu_engine.GPU_COMMON_ARGS)
+    # gpus, requirements and notes, shared by gpu_info and gpu_release
     DOCUMENTATION = r"""
 options:
   gpus:
@@ -19,6 +19,31 @@ options:
     type: list
     elements: str
     default: []
+requirements:
+  - psutil (on the target, for gpuops.fleet.gpu_release; gpuops.fleet.gpu_info does not need it)
+  - nvidia-ml-py (on the target, C(import pynvml))
+notes:
+  - Holders are found by reading C(/proc/PID/fd) and C(/proc/PID/maps) of every process (for a defunct thread-group
+    leader, those of one of its live threads). A process that maps a C(/dev/nvidia*) node has a GPU context and is
+    a holder; one that only has the files open (a monitor, an exporter, NVML itself) is a client.
+  - Device nodes are mapped to NVML devices by minor number, taken from the node's C(st_rdev) when it is a character
+    device (so C(lxc.mount.entry /dev/nvidia3 dev/nvidia0) is seen as minor 3) and from its name otherwise; a container
+    that sees C(/dev/nvidia4) as NVML index 0 is handled.
+  - A mapping of a GPU's node means that the process has a CUDA context somewhere, not that it holds this GPU; every
+    CUDA process maps the node of every GPU visible to it. Where the memory is comes from NVML's per-GPU process lists.
+  - The module's own process, its ancestors and its children are never counted.
+  - NVML's process list is used as a hint only; inside a container it may name dead pids, hide processes of other
+    PID namespaces, or (older drivers) give host pids.
+seealso:
+  - name: GPU_FACTS
+    description: What a real H200 does when its processes die; the facts these modules are built on.
+    link: https://github.com/gpuops/fleet/blob/main/docs/design.md
+"""
+
+    # How GPUs are read (argument_spec: _gpu_engine.GPU_READ_ARGS): gpu_info's top-level options;
+    # gpu_release documents the same ones under its advanced option.
+    READING = r"""
+options:
   threshold_mib:
     description:
       - The most memory, in MiB, beyond the driver's reserved floor that still counts as free.
@@ -64,25 +89,6 @@ options:
       - Whether to return command lines (redacted) of holders and clients. Set to V(false) to leave them out.
     type: bool
     default: true
-requirements:
-  - psutil (on the target, for gpuops.fleet.gpu_release; gpuops.fleet.gpu_info does not need it)
-  - nvidia-ml-py (on the target, C(import pynvml))
-notes:
-  - Holders are found by reading C(/proc/PID/fd) and C(/proc/PID/maps) of every process (for a defunct thread-group
-    leader, those of one of its live threads). A process that maps a C(/dev/nvidia*) node has a GPU context and is
-    a holder; one that only has the files open (a monitor, an exporter, NVML itself) is a client.
-  - Device nodes are mapped to NVML devices by minor number, taken from the node's C(st_rdev) when it is a character
-    device (so C(lxc.mount.entry /dev/nvidia3 dev/nvidia0) is seen as minor 3) and from its name otherwise; a container
-    that sees C(/dev/nvidia4) as NVML index 0 is handled.
-  - A mapping of a GPU's node means that the process has a CUDA context somewhere, not that it holds this GPU; every
-    CUDA process maps the node of every GPU visible to it. Where the memory is comes from NVML's per-GPU process lists.
-  - The module's own process, its ancestors and its children are never counted.
-  - NVML's process list is used as a hint only; inside a container it may name dead pids, hide processes of other
-    PID namespaces, or (older drivers) give host pids.
-seealso:
-  - name: GPU_FACTS
-    description: What a real H200 does when its processes die; the facts these modules are built on.
-    link: https://github.com/gpuops/fleet/blob/main/docs/design.md
 """
 
     ATTRIBUTES = r"""

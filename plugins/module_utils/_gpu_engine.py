@@ -26,14 +26,15 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._redact import compil
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import describe_gpus, resolve_gpus
 
 # argument_spec shared by gpu_status and gpu_release (documented in doc_fragments/_gpu.py)
-GPU_COMMON_ARGS = dict(
-    gpus=dict(type="list", elements="str", default=[]),
+# How GPUs are read: top-level options of gpu_info, gpu_release's advanced ones.
+GPU_READ_ARGS = dict(
     threshold_mib=dict(type="int", default=64),
     nvml_timeout=dict(type="float", default=5.0),
     redact=dict(type="list", elements="str", default=[], no_log=False),
     cmdline=dict(type="bool", default=True),
     reserved_floor_mib=dict(type="int"),
 )
+GPU_COMMON_ARGS = dict(gpus=dict(type="list", elements="str", default=[]), **GPU_READ_ARGS)
 
 # Never signalled, whatever holds what (names as in comm, argv[0] or exe).
 PROTECTED_NAMES = ("nvidia-persistenced", "nv-hostengine", "nv-fabricmanager", "dcgm-exporter",
@@ -50,30 +51,34 @@ def missing_lib_message(package, import_name):
     return ("The Python library %s (import %s) is missing for %s on this host: install it with "
             "'%s -m pip install %s' (or run the gpuops.fleet.release_gpus role, which installs it); where that "
             "Python is externally managed (PEP 668: pip says externally-managed-environment), install it into a "
-            "virtual environment and point ansible_python_interpreter at its python, or let the role use its "
-            "wheel folder (release_gpus_wheel_dir)" % (package, import_name, python, python, package))
+            "virtual environment and point ansible_python_interpreter at its python, or install the OS package "
+            "(python3-psutil, python3-pynvml), or let the role push wheels (release_gpus_advanced.wheel_dir)"
+            % (package, import_name, python, python, package))
 
 
-def check_numbers(module, names, minimum=0.0, strict=False):
-    """Fail the task, naming the option and value, on inf, nan, or a value below (or at, if strict) minimum."""
+def check_numbers(module, names, minimum=0.0, strict=False, labels=None):
+    """Fail the task, naming the option and value, on inf, nan, or a value below (or at, if strict) minimum.
+
+    labels: {name: how the user spelled it} (gpu_release's C(advanced.NAME)).
+    """
+    labels = labels or {}
     for name in names:
         value = module.params.get(name)
         if value is None:
             continue
+        label = labels.get(name, name)
         if isinstance(value, float) and not math.isfinite(value):
-            module.fail_json(msg="%s must be a finite number, got %s" % (name, value))
+            module.fail_json(msg="%s must be a finite number, got %s" % (label, value))
         if value < minimum or (strict and value == minimum):
             bound = ("more than %g" % minimum) if strict else ("%g or more" % minimum)
-            module.fail_json(msg="%s must be %s, got %s" % (name, bound, value))
+            module.fail_json(msg="%s must be %s, got %s" % (label, bound, value))
 
 
-def check_common_params(module):
+def check_common_params(module, labels=None):
     """Fail the task on a bad GPU_COMMON_ARGS value; returns the compiled redact patterns."""
     params = module.params
-    check_numbers(module, ["nvml_timeout"], strict=True)
-    check_numbers(module, ["reserved_floor_mib"])
-    if params["threshold_mib"] < 0:
-        module.fail_json(msg="threshold_mib must be 0 or more, got %s" % params["threshold_mib"])
+    check_numbers(module, ["nvml_timeout"], strict=True, labels=labels)
+    check_numbers(module, ["reserved_floor_mib", "threshold_mib"], labels=labels)
     try:
         patterns = compile_patterns(params["redact"])
     except ValueError as exc:

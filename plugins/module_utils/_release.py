@@ -1047,6 +1047,23 @@ def free_for_scope(report, gpu, scope):
     return mib <= report.engine.threshold_mib
 
 
+def held_by_others_mib(report, scope):
+    """MiB of the targeted GPUs that nothing of the scope holds: other containers', the node's, unattributed."""
+    total = 0
+    for gpu in report.gpus:
+        used = (gpu.get("memory") or {}).get("used_mib") or 0
+        mine = sum(v for k, v in (gpu.get("by_container") or {}).items() if scope.allows(k))
+        total += max(0, used - mine)
+    return total
+
+
+def share_words(report, scope):
+    """shared_gpu: own, the scope's share free: say so, and how much others hold."""
+    whose = ("this container's" if len(scope.containers) == 1 and not scope.host_processes else
+             "these containers'" if scope.containers and not scope.host_processes else "the scope's")
+    return "%s share is free; %d MiB are held by others" % (whose, held_by_others_mib(report, scope))
+
+
 def targets_free(report, scope=None):
     """Every targeted GPU free; with a scope (shared_gpu: own), free of everything the scope holds."""
     if scope is None:
@@ -1077,6 +1094,13 @@ def remaining_of(report, scope=None):
     return out
 
 
+class _Only(object):
+    """One GPU's row, shaped as a report for held_by_others_mib."""
+
+    def __init__(self, gpu):
+        self.gpus = [gpu]
+
+
 def per_container(before, after, releaser, refused=()):
     """On a node with containers in scope: one entry per container, its GPUs (those its config passes in, or
     that it holds) with its MiB before and after, what of it was signalled, whether it changed, its verdict."""
@@ -1103,6 +1127,7 @@ def per_container(before, after, releaser, refused=()):
                 free = bool(now) and (free_for_scope(after, now, one) if releaser.own_only else now["free"])
             rows.append({"index": gpu["index"], "minor": gpu.get("minor"), "uuid": gpu.get("uuid"), "before_mib": mine,
                          "after_mib": None if now is None else (now.get("by_container") or {}).get(vmid, 0),
+                         "others_mib": None if now is None else held_by_others_mib(_Only(now), one),
                          "free": free})
         signals = [a for a in releaser.actions if a["pid"] in pids or a.get("vmid") == int(vmid)]
         done = [a for a in signals if a["outcome"] == "sent" or (a.get("vmid") and a["outcome"].startswith("done"))]
@@ -1119,8 +1144,12 @@ def per_container(before, after, releaser, refused=()):
             row["rung"] = rung if row["before_mib"] else "none"
             row["signals"] = words if row["before_mib"] else []
         units_here = [u for u in releaser.found_units if u["vmid"] == int(vmid)]
+        others = sum(r["others_mib"] or 0 for r in rows)
+        note = ""
+        if verdict == "free" and releaser.own_only and others > releaser.engine.threshold_mib:
+            note = "this container's share is free; %d MiB are held by others" % others
         out.append({"vmid": int(vmid), "changed": bool(done) if after is not None else bool(planned),
-                    "verdict": verdict, "gpus": rows, "planned": planned, "found_units": units_here,
+                    "verdict": verdict, "note": note, "gpus": rows, "planned": planned, "found_units": units_here,
                     "stopped": [u["name"] for u in units_here if u.get("outcome", "").startswith("done")],
                     "actions": [dict((k, a[k]) for k in ("pid", "name", "signal", "outcome", "task") if k in a) for a in signals],
                     "not_signalled": [dict(s) for s in releaser.skipped if s["pid"] in pids]})
@@ -1129,7 +1158,7 @@ def per_container(before, after, releaser, refused=()):
 
 def skipped_entries(skipped):
     """per_container entries of the containers left out before anything (locked): {vmid: reason}."""
-    return [{"vmid": int(vmid), "changed": False, "verdict": "skipped", "reason": reason, "gpus": [], "planned": [],
+    return [{"vmid": int(vmid), "changed": False, "verdict": "skipped", "note": "", "reason": reason, "gpus": [], "planned": [],
              "found_units": [], "stopped": [], "actions": [], "not_signalled": []} for vmid, reason in sorted(skipped.items(), key=lambda kv: int(kv[0]))]
 
 
@@ -1345,7 +1374,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         if targets_free(before, own()):
             estimate = "" if free_words(before) == "verified free" else " (by estimate: %s)" % ESTIMATE_WHY
             msg = ("every targeted GPU is already free" + estimate if before.all_free else
-                   "nothing of %s holds the targeted GPUs (shared_gpu: own)" % releaser.scope.describe())
+                   "nothing of %s holds the targeted GPUs (shared_gpu: own): %s"
+                   % (releaser.scope.describe(), share_words(before, releaser.scope)))
             return with_shm(before, *finish(False, msg, before, before))
         reset_refusals = releaser.plan_reset(before)
         if reset_refusals:
@@ -1389,7 +1419,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                       % ", ".join(releaser.missing), before, after)
     if targets_free(after, own()):
         words = free_words(after)
-        msg = (words if after.all_free else "%s of %s (shared_gpu: own)" % (words, releaser.scope.describe()))
+        msg = (words if after.all_free else "%s of %s (shared_gpu: own): %s"
+               % (words, releaser.scope.describe(), share_words(after, releaser.scope)))
         return with_shm(after, *finish(bool(refused), msg + refused_words(refused), before, after))
     busy = [g for g in after.gpus if not (free_for_scope(after, g, own()) if own() else g["free"])]
     tried = ", ".join("%s to %d: %s" % (a["signal"], a["pid"], a["outcome"]) if a["pid"] else

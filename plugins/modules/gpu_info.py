@@ -42,6 +42,7 @@ author:
   - gpuops (@gpuops)
 extends_documentation_fragment:
   - gpuops.fleet._gpu
+  - gpuops.fleet._gpu.reading
   - gpuops.fleet._gpu.attributes
 attributes:
   check_mode:

@@ -17,10 +17,10 @@ description:
   - 3. SIGKILL the survivors, defunct leaders whose threads live included, and poll for up to O(kill_timeout).
   - 4. One-thread zombies hold nothing; they are reported with their parent, never signalled.
   - 5. Holders stuck in C(D) state are reported with their wchan and kernel stack; the module keeps waiting up to
-    O(verify_timeout).
+    O(advanced.verify_timeout).
   - 6. With O(gpu_reset=true), a GPU that no process holds but whose memory is still used is reset with
     C(nvidia-smi --gpu-reset); the reset is refused while any holder remains.
-  - 7. Verify that every targeted GPU's v2 C(used) is at most O(threshold_mib), else fail with the gpu_status
+  - 7. Verify that every targeted GPU's v2 C(used) is at most O(advanced.threshold_mib), else fail with the gpu_status
     diagnosis and what was tried.
   - "Which GPUs a holder holds is decided by evidence, not by the device nodes it maps: every CUDA process maps the
     node of every GPU visible to it. A holder that NVML names, where it maps a context, holds exactly the GPUs where
@@ -30,7 +30,7 @@ description:
     when every GPU it maps is targeted (see gpuops.fleet.gpu_info). A context on a GPU NVML cannot describe (lost,
     or its calls fail) holds that GPU: such a holder is never signalled for it, and counts as collateral of unknown
     size."
-  - "Collateral: a holder that also holds a GPU that is not targeted (beyond O(collateral_tolerance_mib), the size of
+  - "Collateral: a holder that also holds a GPU that is not targeted (beyond O(advanced.collateral_tolerance_mib), the size of
     a bare context), or that belongs to a job spanning other GPUs, makes the task fail before any signal, naming the
     pid and the GPUs, unless O(collateral=stop). A job is a group of holders linked by sockets that share a rank
     signature (the same distributed-run settings such as C(MASTER_ADDR)/C(MASTER_PORT), a distributed launcher
@@ -85,82 +85,6 @@ options:
     type: list
     elements: str
     default: []
-  term_timeout:
-    description: Seconds to wait after SIGTERM before SIGKILL. 0 or more.
-    type: float
-    default: 10
-  kill_timeout:
-    description: Seconds to wait after SIGKILL for the holders to go. 0 or more.
-    type: float
-    default: 10
-  verify_timeout:
-    description:
-      - Seconds to wait for the memory to be verified free once the signals are sent (and again after a reset).
-      - When no process visible here holds a targeted GPU any more, the module waits at most 1 s more for its memory.
-      - 0 or more.
-    type: float
-    default: 30
-  gpu_reset:
-    description:
-      - Reset a targeted GPU with C(nvidia-smi --gpu-reset -i INDEX) when no process holds it but its memory is still
-        used (leaked memory). Refused while any holder remains. C(nvidia-smi) is looked up in E(PATH) and in
-        C(/usr/local/sbin), C(/usr/local/bin), C(/usr/local/nvidia/bin), C(/usr/sbin), C(/usr/bin), C(/sbin), C(/bin).
-    type: bool
-    default: false
-  reset_blockers:
-    description:
-      - With O(gpu_reset) on a Proxmox node, what to do about what would block the reset, listed before anything is
-        signalled (RV(reset_blockers)) - the user holders (the ladder signals them first), NVML clients (monitors),
-        the driver's daemons (C(nvidia-persistenced), C(nv-hostengine), C(dcgm-exporter), C(nv-fabricmanager), which
-        serve every GPU of the node), persistence mode, C(nvidia_drm) in use, MIG mode.
-      - C(refuse) fails before anything is signalled when any but a user holder is found, naming them all.
-      - C(stop_services) stops each daemon through its service manager (systemd, or supervisord), never by signal,
-        and turns persistence mode off (C(nvidia-smi -pm 0)), once the ladder leaves a GPU to reset; after the reset
-        it restores persistence mode and starts the daemons again, each step in RV(reset_steps); a restart that fails
-        fails the task. A monitor, a daemon under no service manager, C(nvidia_drm) in use and MIG mode still refuse.
-    type: str
-    choices: [refuse, stop_services]
-    default: refuse
-  reset_timeout:
-    description:
-      - Seconds the reset itself (C(nvidia-smi --gpu-reset)) may take, and then how long to wait for the GPU to read
-        free; its own budget, never cut short by O(verify_timeout). Bounded by O(timeout). 0 or more.
-    type: float
-    default: 120
-  lock_timeout:
-    description:
-      - Seconds to wait for the per-GPU lock (a file lock in C(/run/lock/gpuops-fleet), created root-owned with mode
-        0700; the task fails before any signal if that directory has another owner or mode, or is a symbolic link)
-        that serialises two releases of the same
-        GPU. The second release waits, then re-reads the state (usually finding the GPU free), or fails clearly.
-      - 0 or more.
-    type: float
-    default: 60
-  collateral:
-    description:
-      - What to do when stopping a holder of a targeted GPU would also stop work on a GPU that is not targeted.
-      - V(refuse) fails the task before any signal, naming each such pid, its name and its MiB on the other GPUs, or
-        the job (linked ranks with a rank signature, such as a tensor-parallel job) and its GPUs.
-      - V(stop) signals such holders anyway, and stops every process of such a job, since stopping part of a job
-        leaves the rest hung and leaves residue on the targeted GPUs. RV(collateral) lists the GPUs freed that way.
-      - Has no effect when every GPU is targeted (O(gpus) empty).
-    type: str
-    choices: [refuse, stop]
-    default: refuse
-  collateral_tolerance_mib:
-    description:
-      - A holder whose share of every untargeted GPU is at most this many MiB is stopped like any other holder of the
-        targeted GPUs; the plan says which untargeted GPUs are freed as a side effect.
-      - The default is just above a bare PyTorch context on an H200 (612 MiB). A share NVML cannot measure counts as
-        above it. 0 or more.
-    type: int
-    default: 640
-  timeout:
-    description:
-      - Overall limit in seconds for the whole task, enforced by the module itself, so that a dropped SSH channel
-        cannot leave it running forever. More than 0.
-    type: float
-    default: 180
   containers:
     description:
       - On a Proxmox VE node (the module sees every container's processes there), the vmids whose processes may be
@@ -190,20 +114,41 @@ options:
   shared_gpu:
     description:
       - On a node with O(containers), when a targeted GPU counts as free.
-      - V(all) demands the whole GPU free.
-      - "V(own) counts it free when nothing of O(containers) (and of the node, with O(host_processes)) holds it: no
-        such holder, and their MiB by container (RV(before), C(by_container)) within O(threshold_mib). Memory of other
-        containers is reported, not waited for."
+      - "V(own) (the default) counts it free when nothing of O(containers) (and of the node, with O(host_processes))
+        holds it: no such holder, and their MiB by container (RV(before), C(by_container)) within
+        O(advanced.threshold_mib). Memory of other containers is reported, not waited for: the message says
+        C(this container's share is free; N MiB are held by others), and each RV(per_container) entry has it as
+        C(note)."
+      - V(all) demands the whole GPU free, whoever holds it. So does O(gpu_reset=true), whatever this says: a reset
+        is for memory that no process holds, which V(own) never counts.
+      - Inside a container, and on a host that is no Proxmox node, there is nothing else to tell apart, and the whole
+        GPU must be free either way. The pre-deploy check (C(gpuops.fleet.predeploy_check)) always proves the whole
+        GPU.
     type: str
     choices: [all, own]
-    default: all
+    default: own
+  term_timeout:
+    description: Seconds to wait after SIGTERM before SIGKILL. 0 or more.
+    type: float
+    default: 10
+  kill_timeout:
+    description: Seconds to wait after SIGKILL for the holders to go. 0 or more.
+    type: float
+    default: 10
+  gpu_reset:
+    description:
+      - Reset a targeted GPU with C(nvidia-smi --gpu-reset -i INDEX) when no process holds it but its memory is still
+        used (leaked memory). Refused while any holder remains. C(nvidia-smi) is looked up in E(PATH) and in
+        C(/usr/local/sbin), C(/usr/local/bin), C(/usr/local/nvidia/bin), C(/usr/sbin), C(/usr/bin), C(/sbin), C(/bin).
+    type: bool
+    default: false
   container_restart:
     description:
       - On a node, the container rung. When SIGKILL leaves targeted memory held by a scoped container (its processes
         come back faster than they die, or a holder is stuck), stop and start that container, and verify again.
       - A restart stops everything in the container, work on other GPUs, monitors and sshd included. RV(restart_plan)
         lists every process and every GPU it affects, in check mode too. A container whose holders also hold an
-        untargeted GPU (beyond O(collateral_tolerance_mib)) makes the task fail before any signal unless
+        untargeted GPU (beyond O(advanced.collateral_tolerance_mib)) makes the task fail before any signal unless
         O(collateral=stop).
       - A container that is locked (backup, migrate, snapshot) or managed by HA is not restarted; the task fails
         naming the lock or the HA resource.
@@ -212,57 +157,204 @@ options:
       - Through the Proxmox API with O(api_host) (or C(PROXMOX_HOST)), else with C(pct stop) and C(pct start) on the node.
     type: bool
     default: false
-  container_timeout:
-    description: Seconds the stop, and then the start, of a container may take each. More than 0.
-    type: float
-    default: 60
-  stop_found_units:
+  collateral:
     description:
-      - On a node with O(containers), before any signal, stop what would start each planned holder again, inside its
-        container, through the container's own manager (C(lxc-attach -n VMID), no C(pct) start-up per call).
-      - A systemd unit is found from the holder's cgroup (C(lxc/VMID/ns/system.slice/NAME.service)); a supervisord
-        program from the holder or an ancestor whose parent is C(supervisord), by the C(SUPERVISOR_GROUP_NAME) and
-        C(SUPERVISOR_PROCESS_NAME) that supervisord puts in its programs' environment (C(supervisorctl -c CONF stop
-        GROUP:NAME), CONF from supervisord's command line).
-      - RV(found_units) lists each unit with the pids it runs and the outcome of its stop; in check mode, what would
-        be stopped. Each stop is also an action (C(signal) is C(stop)). The GPUs are read again after the stops, and
-        the ladder runs on what is left.
-      - A docker container inside the LXC container (docker inside LXC) is found from the holder's cgroup
-        (C(system.slice/docker-ID.scope) or C(docker/ID)) or from an ancestor C(containerd-shim) of docker's
-        C(moby) namespace, and stopped with C(docker stop ID) inside the container; it comes before a supervisord
-        that runs inside it. The lab cannot run docker, so this path is unit-tested only.
-    type: bool
-    default: false
-  stop_timeout:
-    description: Seconds each stop of O(stop_found_units) may take (within O(timeout)). More than 0.
-    type: float
-    default: 60
-  stop_concurrency:
+      - What to do when stopping a holder of a targeted GPU would also stop work on a GPU that is not targeted.
+      - V(refuse) fails the task before any signal, naming each such pid, its name and its MiB on the other GPUs, or
+        the job (linked ranks with a rank signature, such as a tensor-parallel job) and its GPUs.
+      - V(stop) signals such holders anyway, and stops every process of such a job, since stopping part of a job
+        leaves the rest hung and leaves residue on the targeted GPUs. RV(collateral) lists the GPUs freed that way.
+      - Has no effect when every GPU is targeted (O(gpus) empty).
+    type: str
+    choices: [refuse, stop]
+    default: refuse
+  advanced:
     description:
-      - How many containers have their O(stop_found_units) stops run at once (a container's own units one after
-        another). 1 or more.
-      - The role's node path sets it from C(release_gpus_node_concurrency).
-    type: int
-    default: 4
+      - How the release reads, waits, serialises and cleans up; the defaults suit most fleets.
+      - Each key is also accepted as a top-level option until 1.0.0 (deprecated); a key given there wins over this
+        dict.
+    type: dict
+    default: {}
+    suboptions:
+      clean_shm:
+        description:
+          - When the targeted GPUs end free (already free, or verified free after the ladder), remove the GPU stacks'
+            shared-memory residue in C(/dev/shm), as M(gpuops.fleet.gpu_info) finds it (see
+            O(gpuops.fleet.gpu_info#module:shm_residue)), read afresh; from a node with O(containers), in each scoped
+            container's C(/dev/shm) (the node's own only with O(host_processes)); from a node without O(containers),
+            the node's own.
+          - Never a file a live process has open or maps, never one changed after the release started, never through a
+            symlink. Check mode lists what would be removed (RV(shm_residue)) and removes nothing.
+          - A file that could not be removed fails the task, naming it (RV(shm_left)).
+        type: bool
+        default: false
+      cmdline:
+        description: "Whether to return command lines (redacted), as O(gpuops.fleet.gpu_info#module:cmdline)."
+        type: bool
+        default: true
+      collateral_tolerance_mib:
+        description:
+          - A holder whose share of every untargeted GPU is at most this many MiB is stopped like any other holder of the
+            targeted GPUs; the plan says which untargeted GPUs are freed as a side effect.
+          - The default is just above a bare PyTorch context on an H200 (612 MiB). A share NVML cannot measure counts as
+            above it. 0 or more.
+        type: int
+        default: 640
+      container_timeout:
+        description: Seconds the stop, and then the start, of a container may take each. More than 0.
+        type: float
+        default: 60
+      lock_timeout:
+        description:
+          - Seconds to wait for the per-GPU lock (a file lock in C(/run/lock/gpuops-fleet), created root-owned with mode
+            0700; the task fails before any signal if that directory has another owner or mode, or is a symbolic link)
+            that serialises two releases of the same
+            GPU. The second release waits, then re-reads the state (usually finding the GPU free), or fails clearly.
+          - 0 or more.
+        type: float
+        default: 60
+      nvml_timeout:
+        description: "Seconds one NVML call may take, as O(gpuops.fleet.gpu_info#module:nvml_timeout). More than 0."
+        type: float
+        default: 5.0
+      redact:
+        description: "More regular expressions masked in the command lines returned, as O(gpuops.fleet.gpu_info#module:redact)."
+        type: list
+        elements: str
+        default: []
+      reserved_floor_mib:
+        description:
+          - For drivers without NVML's v2 memory call only, as O(gpuops.fleet.gpu_info#module:reserved_floor_mib).
+          - The release then says C(free by estimate), and never resets such a GPU.
+        type: int
+      reset_blockers:
+        description:
+          - With O(gpu_reset) on a Proxmox node, what to do about what would block the reset, listed before anything is
+            signalled (RV(reset_blockers)) - the user holders (the ladder signals them first), NVML clients (monitors),
+            the driver's daemons (C(nvidia-persistenced), C(nv-hostengine), C(dcgm-exporter), C(nv-fabricmanager), which
+            serve every GPU of the node), persistence mode, C(nvidia_drm) in use, MIG mode.
+          - C(refuse) fails before anything is signalled when any but a user holder is found, naming them all.
+          - C(stop_services) stops each daemon through its service manager (systemd, or supervisord), never by signal,
+            and turns persistence mode off (C(nvidia-smi -pm 0)), once the ladder leaves a GPU to reset; after the reset
+            it restores persistence mode and starts the daemons again, each step in RV(reset_steps); a restart that fails
+            fails the task. A monitor, a daemon under no service manager, C(nvidia_drm) in use and MIG mode still refuse.
+        type: str
+        choices: [refuse, stop_services]
+        default: refuse
+      reset_timeout:
+        description:
+          - Seconds the reset itself (C(nvidia-smi --gpu-reset)) may take, and then how long to wait for the GPU to read
+            free; its own budget, never cut short by O(advanced.verify_timeout). Bounded by O(advanced.timeout). 0 or more.
+        type: float
+        default: 120
+      shm_prefixes:
+        description:
+          - More name prefixes that mark a C(/dev/shm) file as a GPU stack's for O(advanced.clean_shm), beside the built-in ones
+            (C(nccl-), C(sgl_), C(torch_), C(vllm), C(psm_)). Each is a file name's start, without C(/).
+        type: list
+        elements: str
+        default: []
+      stop_concurrency:
+        description:
+          - How many containers have their O(advanced.stop_found_units) stops run at once (a container's own units one after
+            another). 1 or more.
+          - The role's node path sets it from C(release_gpus_node_concurrency).
+        type: int
+        default: 4
+      stop_found_units:
+        description:
+          - On a node with O(containers), before any signal, stop what would start each planned holder again, inside its
+            container, through the container's own manager (C(lxc-attach -n VMID), no C(pct) start-up per call).
+          - A systemd unit is found from the holder's cgroup (C(lxc/VMID/ns/system.slice/NAME.service)); a supervisord
+            program from the holder or an ancestor whose parent is C(supervisord), by the C(SUPERVISOR_GROUP_NAME) and
+            C(SUPERVISOR_PROCESS_NAME) that supervisord puts in its programs' environment (C(supervisorctl -c CONF stop
+            GROUP:NAME), CONF from supervisord's command line).
+          - RV(found_units) lists each unit with the pids it runs and the outcome of its stop; in check mode, what would
+            be stopped. Each stop is also an action (C(signal) is C(stop)). The GPUs are read again after the stops, and
+            the ladder runs on what is left.
+          - A docker container inside the LXC container (docker inside LXC) is found from the holder's cgroup
+            (C(system.slice/docker-ID.scope) or C(docker/ID)) or from an ancestor C(containerd-shim) of docker's
+            C(moby) namespace, and stopped with C(docker stop ID) inside the container; it comes before a supervisord
+            that runs inside it. The lab cannot run docker, so this path is unit-tested only.
+        type: bool
+        default: false
+      stop_timeout:
+        description: Seconds each stop of O(advanced.stop_found_units) may take (within O(advanced.timeout)). More than 0.
+        type: float
+        default: 60
+      threshold_mib:
+        description:
+          - The most MiB beyond the reserved floor (NVML v2 C(used)) that still counts as free, as
+            O(gpuops.fleet.gpu_info#module:threshold_mib). 0 or more.
+        type: int
+        default: 64
+      timeout:
+        description:
+          - Overall limit in seconds for the whole task, enforced by the module itself, so that a dropped SSH channel
+            cannot leave it running forever. More than 0.
+        type: float
+        default: 180
+      verify_timeout:
+        description:
+          - Seconds to wait for the memory to be verified free once the signals are sent (and again after a reset).
+          - When no process visible here holds a targeted GPU any more, the module waits at most 1 s more for its memory.
+          - 0 or more.
+        type: float
+        default: 30
   clean_shm:
-    description:
-      - When the targeted GPUs end free (already free, or verified free after the ladder), remove the GPU stacks'
-        shared-memory residue in C(/dev/shm), as M(gpuops.fleet.gpu_info) finds it (see
-        O(gpuops.fleet.gpu_info#module:shm_residue)), read afresh; from a node with O(containers), in each scoped
-        container's C(/dev/shm) (the node's own only with O(host_processes)); from a node without O(containers),
-        the node's own.
-      - Never a file a live process has open or maps, never one changed after the release started, never through a
-        symlink. Check mode lists what would be removed (RV(shm_residue)) and removes nothing.
-      - A file that could not be removed fails the task, naming it (RV(shm_left)).
+    description: Deprecated, removed in 1.0.0. Use O(advanced.clean_shm).
     type: bool
-    default: false
-  shm_prefixes:
-    description:
-      - More name prefixes that mark a C(/dev/shm) file as a GPU stack's for O(clean_shm), beside the built-in ones
-        (C(nccl-), C(sgl_), C(torch_), C(vllm), C(psm_)). Each is a file name's start, without C(/).
+  cmdline:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.cmdline).
+    type: bool
+  collateral_tolerance_mib:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.collateral_tolerance_mib).
+    type: int
+  container_timeout:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.container_timeout).
+    type: float
+  lock_timeout:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.lock_timeout).
+    type: float
+  nvml_timeout:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.nvml_timeout).
+    type: float
+  redact:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.redact).
     type: list
     elements: str
-    default: []
+  reserved_floor_mib:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.reserved_floor_mib).
+    type: int
+  reset_blockers:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.reset_blockers).
+    type: str
+    choices: [refuse, stop_services]
+  reset_timeout:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.reset_timeout).
+    type: float
+  shm_prefixes:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.shm_prefixes).
+    type: list
+    elements: str
+  stop_concurrency:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.stop_concurrency).
+    type: int
+  stop_found_units:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.stop_found_units).
+    type: bool
+  stop_timeout:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.stop_timeout).
+    type: float
+  threshold_mib:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.threshold_mib).
+    type: int
+  timeout:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.timeout).
+    type: float
+  verify_timeout:
+    description: Deprecated, removed in 1.0.0. Use O(advanced.verify_timeout).
+    type: float
   proxmox_api:
     description:
       - Deprecated, removed in 1.0.0. Give O(api_host), O(api_user), O(api_token_id), O(api_token_secret) (or
@@ -314,7 +406,8 @@ EXAMPLES = r"""
     match: 'train\.py'
     term_timeout: 5
     kill_timeout: 5
-    verify_timeout: 10
+    advanced:
+      verify_timeout: 10
 
 - name: Show what would be signalled
   gpuops.fleet.gpu_release:
@@ -326,11 +419,25 @@ EXAMPLES = r"""
     gpus: [3]
     collateral: stop
 
-- name: From the Proxmox node, free a GPU shared by several containers of only container 101's holders
+- name: From the Proxmox node, free container 101's share of a GPU that other containers use too
   gpuops.fleet.gpu_release:
     gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
     containers: [101]
-    shared_gpu: own
+  delegate_to: pve1
+
+- name: The same, but wait until the whole GPU is free, whoever holds it
+  gpuops.fleet.gpu_release:
+    gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
+    containers: [101]
+    shared_gpu: all
+  delegate_to: pve1
+
+- name: From the node, stop what runs the holders inside their containers first, and clean /dev/shm once free
+  gpuops.fleet.gpu_release:
+    containers: [101, 102]
+    advanced:
+      stop_found_units: true
+      clean_shm: true
   delegate_to: pve1
 
 - name: From the node, restart container 101 if its launcher respawns holders faster than SIGKILL
@@ -428,7 +535,7 @@ actions:
       sample: python3
     signal:
       description:
-        - C(SIGTERM), C(SIGKILL), C(reset), C(stop) (a unit of O(stop_found_units)), C(container_stop) and
+        - C(SIGTERM), C(SIGKILL), C(reset), C(stop) (a unit of O(advanced.stop_found_units)), C(container_stop) and
           C(container_start) (the container rung), or C(terminate_client) (an MPS client, through its control
           daemon, before C(SIGTERM)).
       type: str
@@ -442,7 +549,7 @@ actions:
     vmid:
       description: The container of a C(stop), C(container_stop) or C(container_start) step.
       type: int
-      returned: for the container rung and the stops of O(stop_found_units)
+      returned: for the container rung and the stops of O(advanced.stop_found_units)
       sample: 101
     task:
       description: The Proxmox task id (UPID) of a container step through the API, or the C(pct) command run.
@@ -583,8 +690,10 @@ per_container:
     - On a node with O(containers), one entry per container in the scope, from this one task.
     - C(gpus) are the targeted GPUs its config passes in (or that it holds), by C(index) and C(minor) on the node and
       C(uuid), with C(before_mib) and C(after_mib), its
-      own MiB by NVML's node view, and C(free) (nothing of it holds the GPU with O(shared_gpu=own); the whole GPU
-      free with V(all); null in check mode).
+      own MiB by NVML's node view, C(others_mib) (what others hold there after, null in check mode), and C(free)
+      (nothing of it holds the GPU with O(shared_gpu=own); the whole GPU free with V(all); null in check mode).
+    - C(note) is C(this container's share is free; N MiB are held by others) when it is free by O(shared_gpu=own)
+      while others hold more than O(advanced.threshold_mib) there, else empty.
     - C(changed) is true when something of it was signalled, stopped or restarted (in check mode, when something of it
       is planned). C(verdict) is C(free), C(busy), C(planned) or C(nothing to do) (check mode), or, with C(reason),
       C(skipped) for a locked container or C(refused) for one left out by a refusal (see O(containers)).
@@ -598,8 +707,10 @@ per_container:
   returned: always
   type: list
   elements: dict
-  sample: [{"vmid": 101, "changed": true, "verdict": "free", "planned": [4388],
+  sample: [{"vmid": 101, "changed": true, "verdict": "free", "note": "this container's share is free; 2048 MiB are held by others",
+            "planned": [4388],
             "gpus": [{"index": 0, "minor": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "before_mib": 300, "after_mib": 0,
+                      "others_mib": 2048,
                       "free": true, "rung": "sigterm", "signals": ["SIGTERM 4388 (python3)"]}],
             "found_units": [], "stopped": [],
             "actions": [{"pid": 4388, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}], "not_signalled": []}]
@@ -613,21 +724,21 @@ reads:
   sample: {"fast": 24, "full": 4}
 shm_residue:
   description:
-    - With O(clean_shm), the residue found once the GPUs were free (C(path) as its container sees it, C(bytes),
+    - With O(advanced.clean_shm), the residue found once the GPUs were free (C(path) as its container sees it, C(bytes),
       C(owner), C(vmid), null for this host's); in check mode, what would be removed.
-  returned: with O(clean_shm), when the targeted GPUs end free
+  returned: with O(advanced.clean_shm), when the targeted GPUs end free
   type: list
   elements: dict
   sample: [{"path": "/dev/shm/nccl-Xk3a9Q", "bytes": 9437184, "owner": "nccl", "vmid": 101}]
 shm_removed:
-  description: With O(clean_shm), the residue files removed (as in RV(shm_residue)).
-  returned: with O(clean_shm), when the targeted GPUs end free
+  description: With O(advanced.clean_shm), the residue files removed (as in RV(shm_residue)).
+  returned: with O(advanced.clean_shm), when the targeted GPUs end free
   type: list
   elements: dict
   sample: [{"path": "/dev/shm/nccl-Xk3a9Q", "bytes": 9437184, "owner": "nccl", "vmid": 101}]
 shm_left:
-  description: With O(clean_shm), residue files not removed, each with C(why).
-  returned: with O(clean_shm), when the targeted GPUs end free
+  description: With O(advanced.clean_shm), residue files not removed, each with C(why).
+  returned: with O(advanced.clean_shm), when the targeted GPUs end free
   type: list
   elements: dict
   sample: []
@@ -643,7 +754,7 @@ reset_blockers:
             "gpus": [0, 1], "action": "stop supervisord nvidia-persistenced:nvidia-persistenced, start it again after the reset"}]
 reset_steps:
   description:
-    - With O(reset_blockers=stop_services), each step around the reset in order (C(stop), C(persistence_off),
+    - With O(advanced.reset_blockers=stop_services), each step around the reset in order (C(stop), C(persistence_off),
       C(persistence_on), C(start)), with C(target), C(ok) and C(outcome).
   returned: always
   type: list
@@ -651,7 +762,7 @@ reset_steps:
   sample: [{"step": "stop", "target": "systemd nvidia-persistenced.service", "ok": true, "outcome": "done"}]
 found_units:
   description:
-    - With O(stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd),
+    - With O(advanced.stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd),
       C(docker) or C(supervisord), C(name), C(pids), C(evidence)) and, once tried, C(outcome) (C(done...) or
       C(failed...)).
   returned: always
@@ -683,7 +794,7 @@ import traceback
 from ansible.module_utils.basic import AnsibleModule, env_fallback
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
-    GPU_COMMON_ARGS, check_common_params, check_libraries, check_numbers, check_shm_prefixes, engine_from_params,
+    GPU_COMMON_ARGS, GPU_READ_ARGS, check_common_params, check_libraries, check_numbers, check_shm_prefixes, engine_from_params,
     no_gpu_message,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
@@ -724,13 +835,11 @@ def check_scope(module):
                                  "Proxmox node (delegate_to the node, containers: [VMID]), or the release_gpus role "
                                  "with release_gpus_from: node")
     if params["stop_found_units"] and not params["containers"]:
-        module.fail_json(msg="stop_found_units needs containers: [VMID, ...] (whose units it may stop), on the "
+        module.fail_json(msg="advanced.stop_found_units needs containers: [VMID, ...] (whose units it may stop), on the "
                              "Proxmox node")
     if params["container_restart"] and not params["containers"]:
         module.fail_json(msg="container_restart needs containers: [VMID, ...] (the containers it may restart), on the "
                              "Proxmox node")
-    if params["shared_gpu"] == "own" and not (params["containers"] or params["host_processes"]):
-        module.fail_json(msg="shared_gpu: own needs containers (or host_processes) on the Proxmox node")
     if view == "node" and not (params["containers"] or params["host_processes"]):
         module.fail_json(msg="gpu_release runs on a Proxmox node here, where it sees the processes of every container: "
                              "it signals nothing without a scope; set containers: [VMID, ...] to signal those "
@@ -740,31 +849,60 @@ def check_scope(module):
     return None
 
 
+# gpu_release's advanced options: how it reads, waits and cleans up. Each is also accepted at the top level until
+# 1.0.0 (deprecated), where it wins over the advanced dict.
+ADVANCED_ARGS = dict(GPU_READ_ARGS)
+ADVANCED_ARGS.update(
+    verify_timeout=dict(type="float", default=30.0),
+    lock_timeout=dict(type="float", default=60.0),
+    timeout=dict(type="float", default=180.0),
+    collateral_tolerance_mib=dict(type="int", default=640),
+    reset_blockers=dict(type="str", choices=["refuse", "stop_services"], default="refuse"),
+    reset_timeout=dict(type="float", default=120.0),
+    container_timeout=dict(type="float", default=60.0),
+    stop_found_units=dict(type="bool", default=False),
+    stop_timeout=dict(type="float", default=60.0),
+    stop_concurrency=dict(type="int", default=4),
+    clean_shm=dict(type="bool", default=False),
+    shm_prefixes=dict(type="list", elements="str", default=[]),
+)
+
+
+def deprecated_top_level(spec):
+    """The deprecated top-level spelling of an advanced option: no default, so that given means set."""
+    return dict(dict((k, v) for k, v in spec.items() if k != "default"), removed_in_version="1.0.0",
+                removed_from_collection="gpuops.fleet")
+
+
+def flatten_advanced(module):
+    """Put each advanced option in module.params, the deprecated top-level value first; returns how each was
+    spelled, for error messages ({name: 'advanced.NAME' or 'NAME'})."""
+    params = module.params
+    advanced = params["advanced"] or {}
+    labels = {}
+    for name, spec in ADVANCED_ARGS.items():
+        if params.get(name) is not None:
+            labels[name] = name
+            continue
+        labels[name] = "advanced." + name
+        params[name] = advanced.get(name, spec.get("default"))
+    return labels
+
+
 def main():
-    argument_spec = dict(GPU_COMMON_ARGS)
-    argument_spec.update(
+    argument_spec = dict(
+        gpus=GPU_COMMON_ARGS["gpus"],
         match=dict(type="str"),
         protect=dict(type="list", elements="str", default=[]),
-        term_timeout=dict(type="float", default=10.0),
-        kill_timeout=dict(type="float", default=10.0),
-        verify_timeout=dict(type="float", default=30.0),
-        gpu_reset=dict(type="bool", default=False),
-        reset_blockers=dict(type="str", choices=["refuse", "stop_services"], default="refuse"),
-        reset_timeout=dict(type="float", default=120.0),
-        lock_timeout=dict(type="float", default=60.0),
-        timeout=dict(type="float", default=180.0),
-        collateral=dict(type="str", default="refuse", choices=["refuse", "stop"]),
-        collateral_tolerance_mib=dict(type="int", default=640),
         containers=dict(type="list", elements="int", default=[]),
         host_processes=dict(type="bool", default=False),
-        shared_gpu=dict(type="str", default="all", choices=["all", "own"]),
+        shared_gpu=dict(type="str", default="own", choices=["all", "own"]),
+        term_timeout=dict(type="float", default=10.0),
+        kill_timeout=dict(type="float", default=10.0),
+        gpu_reset=dict(type="bool", default=False),
         container_restart=dict(type="bool", default=False),
-        container_timeout=dict(type="float", default=60.0),
-        stop_found_units=dict(type="bool", default=False),
-        stop_timeout=dict(type="float", default=60.0),
-        stop_concurrency=dict(type="int", default=4),
-        clean_shm=dict(type="bool", default=False),
-        shm_prefixes=dict(type="list", elements="str", default=[]),
+        collateral=dict(type="str", default="refuse", choices=["refuse", "stop"]),
+        advanced=dict(type="dict", default={}, apply_defaults=True, options=ADVANCED_ARGS),
         proxmox_api=dict(type="dict", removed_in_version="1.0.0", removed_from_collection="gpuops.fleet", options=dict(
             host=dict(type="str", required=True),
             port=dict(type="int", default=8006),
@@ -785,16 +923,18 @@ def main():
         ca_path=dict(type="path", fallback=(env_fallback, ["PROXMOX_CA_PATH"])),
         api_timeout=dict(type="int", fallback=(env_fallback, ["PROXMOX_API_TIMEOUT"])),
     )
+    argument_spec.update((name, deprecated_top_level(spec)) for name, spec in ADVANCED_ARGS.items())
     module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
     started = time.monotonic()
     params = module.params
+    labels = flatten_advanced(module)
 
     # bad input fails before NVML is even opened
     check_numbers(module, ["term_timeout", "kill_timeout", "verify_timeout", "lock_timeout", "reset_timeout",
-                           "collateral_tolerance_mib"])
-    check_numbers(module, ["timeout", "container_timeout", "stop_timeout"], strict=True)
-    check_numbers(module, ["stop_concurrency"], minimum=1)
-    patterns = check_common_params(module)
+                           "collateral_tolerance_mib"], labels=labels)
+    check_numbers(module, ["timeout", "container_timeout", "stop_timeout"], strict=True, labels=labels)
+    check_numbers(module, ["stop_concurrency"], minimum=1, labels=labels)
+    patterns = check_common_params(module, labels)
     prefixes = check_shm_prefixes(module)
     scope = check_scope(module)
     try:
@@ -832,7 +972,9 @@ def main():
         names = ("term_timeout", "kill_timeout", "verify_timeout", "gpu_reset", "reset_timeout", "lock_timeout", "timeout",
                  "collateral", "collateral_tolerance_mib", "reset_blockers")
         options = dict((k, params[k]) for k in names)
-        options.update(match=match, protect=protect, scope=scope, shared_gpu=params["shared_gpu"],
+        # a reset is for memory no process holds, which own never counts: it is about the whole GPU
+        shared_gpu = "all" if params["gpu_reset"] else params["shared_gpu"]
+        options.update(match=match, protect=protect, scope=scope, shared_gpu=shared_gpu,
                        container_restart=params["container_restart"], container_timeout=params["container_timeout"],
                        stop_found_units=params["stop_found_units"], stop_timeout=params["stop_timeout"],
                        stop_concurrency=params["stop_concurrency"], skipped_containers=skipped,

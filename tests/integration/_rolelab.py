@@ -135,8 +135,12 @@ class RoleLab:
         # lab's containers know their node, so the default (auto) would take the node path, which
         # test_role_fleet_node.py and test_node_side.py test.
         variables = {"release_gpus_report_dir": report_dir, "release_gpus_term_timeout": 2,
-                     "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 10, "release_gpus_from": "container"}
-        variables.update(extra_vars or {})
+                     "release_gpus_kill_timeout": 5, "release_gpus_advanced": {"verify_timeout": 10},
+                     "release_gpus_from": "container"}
+        extra_vars = dict(extra_vars or {})
+        # one dict replaces another at the same precedence: merge the test's advanced keys into these
+        variables["release_gpus_advanced"].update(extra_vars.pop("release_gpus_advanced", {}))
+        variables.update(extra_vars)
         vars_file = os.path.join(report_dir, "vars.json")
         with open(vars_file, "w") as f:
             json.dump(variables, f)

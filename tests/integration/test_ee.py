@@ -2,7 +2,7 @@
 controller requirements (introspected from an install of the built tarball, as the image's builder stage
 does), and the root execution-environment.yml is an example that installs gpuops.fleet by name and puts
 the targets' wheels at the documented path; the role's offline install then works from that wheel folder,
-as release_gpus_wheel_dir=/opt/gpuops/wheels does in AWX. `ansible-builder create` writes the build
+as release_gpus_advanced.wheel_dir=/opt/gpuops/wheels does in AWX. `ansible-builder create` writes the build
 context; no container engine and no network are needed."""
 import json
 import os
@@ -97,7 +97,7 @@ def test_context_puts_the_targets_wheels_at_the_documented_path(context):
     assert any(w.startswith("psutil-") for w in wheels) and any(w.startswith("nvidia_ml_py-") for w in wheels), wheels
     assert "COPY _build/wheels/ %s/" % EE_WHEEL_DIR in (context / "Containerfile").read_text()
     with open(os.path.join(REPO, "docs", "docsite", "rst", "guide_awx.rst")) as handle:
-        assert "release_gpus_wheel_dir: %s" % EE_WHEEL_DIR in handle.read()
+        assert "wheel_dir: %s" % EE_WHEEL_DIR in handle.read()
 
 
 @pytest.fixture(scope="module")
@@ -120,8 +120,9 @@ def test_role_installs_offline_from_the_ee_wheel_folder(context, lab):
         assert probe.returncode != 0, probe.stdout
         holder = lab.run("plain", 101, [0], 256)
         result = lab.playbook("release_gpus.yml", {"ansible_python_interpreter": python,
-                                                   "release_gpus_wheel_dir": str(context / "_build" / "wheels"),
-                                                   "release_gpus_deps_sources": ["wheels"]})
+                                                   "release_gpus_advanced": {
+                                                       "wheel_dir": str(context / "_build" / "wheels"),
+                                                       "deps_sources": ["wheels"]}})
         assert result.rc == 0, result
         imported = lab.exec(101, python, "-c", "import psutil, pynvml; print(psutil.__file__)")
         assert imported.returncode == 0 and imported.stdout.startswith(root), imported.stdout

@@ -14,7 +14,7 @@ import pytest
 from _enginelab import EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab
 
-FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
+FAST = {"term_timeout": 1, "kill_timeout": 2, "advanced": {"verify_timeout": 3}}
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 WORKLOAD = os.path.join(REPO, "tests", "lab", "workloads", "workload.py")
 LAB_PYTHON = os.path.join(REPO, ".lab", "venv", "bin", "python")
@@ -221,9 +221,11 @@ def test_layout_release_by_uuid(clean):
     ({"gpus": [9]}, ["GPU '9' not found; GPUs here: 0 (minor 4"]),
     ({"term_timeout": -1}, ["term_timeout must be 0 or more, got -1"]),
     ({"kill_timeout": "inf"}, ["kill_timeout must be a finite number, got inf"]),
-    ({"verify_timeout": "nan"}, ["verify_timeout must be a finite number, got nan"]),
-    ({"nvml_timeout": "nan"}, ["nvml_timeout must be a finite number, got nan"]),
+    ({"advanced": {"verify_timeout": "nan"}}, ["advanced.verify_timeout must be a finite number, got nan"]),
+    ({"advanced": {"nvml_timeout": "nan"}}, ["advanced.nvml_timeout must be a finite number, got nan"]),
+    # the deprecated top-level spelling (until 1.0.0) is named as given
     ({"timeout": "inf"}, ["timeout must be a finite number, got inf"]),
+    ({"advanced": {"verify_timeout": 1, "no_such": 1}}, ["advanced", "no_such"]),
     ({"match": "[unclosed"}, ["match: regular expression '[unclosed' does not compile"]),
 ])
 def test_bad_input_fails_before_any_signal(clean, args, words):

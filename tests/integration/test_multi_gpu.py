@@ -11,7 +11,7 @@ import time
 from _enginelab import EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab
 
-FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
+FAST = {"term_timeout": 1, "kill_timeout": 2, "advanced": {"verify_timeout": 3}}
 
 lab = module_lab(lambda: EngineLab("engmg1", ["--nodes", "1", "--containers", "1", "--gpus", "4"]))
 clean = clean_engine_lab()

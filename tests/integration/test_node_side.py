@@ -23,7 +23,7 @@ lab = module_lab(lambda: EngineLab("node11", ["--nodes", "1", "--containers", "3
                                               "--layout", "101=0,1", "--layout", "102=0", "--unprivileged", "102",
                                               "--layout", "103=2", "--shared-run-lock", "103"]))
 clean = clean_engine_lab()
-FAST = {"term_timeout": 1, "kill_timeout": 2, "verify_timeout": 3}
+FAST = {"term_timeout": 1, "kill_timeout": 2, "advanced": {"verify_timeout": 3}}
 INSTALLED = r"Install the wheels with the target's Python, without an index\] \*+\nchanged: \[ct101 -> pve1\b"
 
 
@@ -92,15 +92,18 @@ def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):
     assert [p["pid"] for p in check["plan"]] == [node_pid(a)] and host_alive(a["holders"][0])
     assert [s["pid"] for s in check["not_signalled"]] == [node_pid(b)]
     assert "container 102, which is not in `containers`" in check["not_signalled"][0]["reason"]
-    # the whole GPU must be free by default: B keeps it busy, and B is never signalled
+    # shared_gpu: own by default (issue 22): 101's share is freed, B is never signalled, and the result says so
     play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101]))
-    assert play.failed and signalled(play) == [node_pid(a)], play
+    assert not play.failed and signalled(play) == [node_pid(a)], play
     assert not host_alive(a["holders"][0]) and host_alive(b["holders"][0]) and clean.used(0) == 700
-    # shared_gpu: own: nothing of 101 holds it any more
-    own = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], shared_gpu="own"))
-    assert not own.failed and own["changed"] is False and own["actions"] == [], own
-    assert own["before"][0]["by_container"] == {"102": 700} and own["before"][0]["free_for_scope"] is True
-    assert host_alive(b["holders"][0])
+    assert "this container's share is free; 700 MiB are held by others" in play["msg"], play["msg"]
+    entry = play["per_container"][0]
+    assert entry["verdict"] == "free" and entry["note"] == "this container's share is free; 700 MiB are held by others"
+    assert entry["gpus"][0]["others_mib"] == 700, entry
+    # shared_gpu: all waits for the whole GPU: B keeps it busy, and B is never signalled
+    whole = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], shared_gpu="all"))
+    assert whole.failed and whole["actions"] == [] and "not free" in whole["msg"], whole
+    assert whole["before"][0]["by_container"] == {"102": 700} and host_alive(b["holders"][0])
 
 
 @pytest.mark.timing
@@ -242,9 +245,9 @@ def test_an_awx_style_credential_drives_the_inventory_and_the_roles_restart_rung
     inventory.write_text(yaml.safe_dump(conf))
     run = clean.run("launcher_respawn", 101, [0], mib=900)
     report_dir = tempfile.mkdtemp(dir=clean.workdir, prefix="report-")
-    variables = {"release_gpus_report_dir": report_dir, "release_gpus_install_deps": False,
+    variables = {"release_gpus_report_dir": report_dir, "release_gpus_advanced": {"install_deps": False, "verify_timeout": 3},
                  "release_gpus_container_restart": True, "release_gpus_term_timeout": 1,
-                 "release_gpus_kill_timeout": 2, "release_gpus_verify_timeout": 3}
+                 "release_gpus_kill_timeout": 2}
     env = dict(clean.env, **creds)
     proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", str(inventory),
                            os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "pve1-101",
@@ -346,8 +349,8 @@ def test_auto_releases_inside_then_from_the_node_when_another_containers_memory_
     mine = clean.run("plain", 101, [0], mib=500)
     other = clean.run("plain", 102, [0], mib=700)
     report_dir = tempfile.mkdtemp(dir=clean.workdir, prefix="report-")
-    variables = {"release_gpus_report_dir": report_dir, "release_gpus_install_deps": False, "release_gpus_from": "auto",
-                 "release_gpus_gpus": [0], "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 5}
+    variables = {"release_gpus_report_dir": report_dir, "release_gpus_advanced": {"install_deps": False, "verify_timeout": 5},
+                 "release_gpus_from": "auto", "release_gpus_gpus": [0], "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5}
     proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", clean.inventory,
                            os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "ct101",
                            "-e", json.dumps(variables)], cwd=REPO, env=clean.env, stdout=subprocess.PIPE,
@@ -411,9 +414,10 @@ def test_the_node_path_installs_psutil_and_nvidia_ml_py_on_the_node_as_in_a_cont
     with open(node_inventory, "w") as f:
         json.dump({"all": {"hosts": {"pve1": {"ansible_python_interpreter": python}}}}, f)
     holder = clean.run("plain", 101, [0], mib=300)
-    variables = {"release_gpus_report_dir": workdir, "release_gpus_deps_sources": ["wheels"],
-                 "release_gpus_wheel_dir": os.path.join(REPO, ".cache", "wheels"),
-                 "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 5}
+    variables = {"release_gpus_report_dir": workdir,
+                 "release_gpus_advanced": {"deps_sources": ["wheels"], "wheel_dir": os.path.join(REPO, ".cache", "wheels"),
+                                           "verify_timeout": 5},
+                 "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5}
 
     def run():
         return subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", clean.inventory, "-i", node_inventory,

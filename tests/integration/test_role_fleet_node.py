@@ -29,9 +29,8 @@ lab = module_lab(lambda: EngineLab("fleet11", ["--nodes", "3", "--containers", "
 
 def playbook(lab, extra, check=False):
     report_dir = tempfile.mkdtemp(dir=lab.workdir, prefix="report-")
-    variables = {"release_gpus_report_dir": report_dir, "release_gpus_install_deps": False,
-                 "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5, "release_gpus_verify_timeout": 5,
-                 "release_gpus_node_concurrency": 8}
+    variables = {"release_gpus_report_dir": report_dir, "release_gpus_advanced": {"install_deps": False, "verify_timeout": 5},
+                 "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5, "release_gpus_node_concurrency": 8}
     variables.update(extra)
     vars_file = os.path.join(report_dir, "vars.json")
     with open(vars_file, "w") as f:

@@ -95,6 +95,23 @@ def test_second_run_changes_nothing(fleet_release):
     assert all(not rep["actions"] for rep in second.reports.values()), second.reports
 
 
+def test_from_node_without_a_node_fails_before_anything_is_stopped(clean):
+    """Issue 22: release_gpus_from: node is checked first; with no node known, nothing is stopped or signalled."""
+    lab = clean
+    result = lab.run("respawn", 101, [0], 512)
+    program = result["supervisor_program"]
+    refused = lab.playbook("release_gpus.yml", {"release_gpus_from": "node", "release_gpus_gpus": [0],
+                                                "release_gpus_supervisor_programs": [program],
+                                                "release_gpus_advanced": {"node_host": ""}}, limit="ct101")
+    assert refused.rc != 0, refused
+    words = " ".join(refused.output.split())
+    assert "release_gpus_from: node on ct101 needs its Proxmox node and its vmid, and no node is known" in words, words
+    assert "nothing was stopped or signalled" in words
+    status = lab.exec(101, "/usr/local/sbin/supervisorctl", "status", program)
+    assert "RUNNING" in status.stdout, status.stdout
+    assert lab.gpus()[("101", 0)] == 512
+
+
 def test_respawning_program_fails_until_its_service_is_stopped(clean):
     lab = clean
     result = lab.run("respawn", 101, [0], 512)
@@ -171,9 +188,9 @@ def test_missing_services_are_reported_and_skipped(clean):
     result = lab.playbook("release_gpus.yml", {
         "release_gpus_supervisor_programs": ["no-such-program"],
         "release_gpus_services": ["no-such-unit.service"],
-        "release_gpus_docker_containers": ["no-such-container"],
-        "release_gpus_stop_commands": [{"name": "no-such-daemon", "command": "/bin/false",
-                                        "pattern": "^no-such-daemon-xyz"}],
+        "release_gpus_advanced": {"docker_containers": ["no-such-container"],
+                                  "stop_commands": [{"name": "no-such-daemon", "command": "/bin/false",
+                                                     "pattern": "^no-such-daemon-xyz"}]},
     }, limit="ct103")
     assert result.rc == 0, result
     skipped = result.reports["ct103"]["stop_skipped"]
@@ -190,12 +207,12 @@ def test_stop_command_runs_only_while_its_process_lives(clean):
     holder = lab.run("plain", 201, [1], 256)
     pid_in_ct = holder["container_holders"][0]
     command = {"name": "workload", "command": "kill %d" % pid_in_ct, "pattern": "workload.py plain", "timeout": 10}
-    first = lab.playbook("release_gpus.yml", {"release_gpus_stop_commands": [command]}, limit="ct201")
+    first = lab.playbook("release_gpus.yml", {"release_gpus_advanced": {"stop_commands": [command]}}, limit="ct201")
     assert first.rc == 0, first
     assert first.reports["ct201"]["stopped"] == ["stop command workload"]
     assert not alive(holder["holders"][0])
     assert first.reports["ct201"]["actions"] == [], "the stop command freed it; nothing left to signal"
-    again = lab.playbook("release_gpus.yml", {"release_gpus_stop_commands": [command]}, limit="ct201")
+    again = lab.playbook("release_gpus.yml", {"release_gpus_advanced": {"stop_commands": [command]}}, limit="ct201")
     assert again.rc == 0 and again.changed() == 0, again
 
 
@@ -212,7 +229,8 @@ def test_offline_dependency_path_installs_into_a_bare_python(clean, with_pip):
         holder = lab.run("plain", 202, [0], 256)
         # An index that refuses at once, and no pip config from the machine: the online try fails, fast.
         variables = {"ansible_python_interpreter": python,
-                     "release_gpus_deps_pip_extra_args": ["--isolated", "--index-url", "http://127.0.0.1:9/simple"]}
+                     "release_gpus_advanced": {"deps_pip_extra_args": ["--isolated", "--index-url", "http://127.0.0.1:9/simple"],
+                                               "wheel_dir": os.path.join(REPO, ".cache", "wheels")}}
         first = lab.playbook("release_gpus.yml", variables, limit="ct202")
         assert first.rc == 0, first
         # pip from an index is tried first (when there is pip) and fails: the container has no network.
@@ -248,10 +266,11 @@ def test_missing_wheels_fail_with_a_clear_message(clean):
     empty = os.path.join(lab.workdir, "no-wheels")
     os.makedirs(empty, exist_ok=True)
     try:
+        # the flat names of 0.1.0 (deprecated) are still read: the message names their folder
         variables = {"ansible_python_interpreter": python, "release_gpus_wheel_dir": empty,
                      "release_gpus_deps_sources": ["wheels"]}
         result = lab.playbook("release_gpus.yml", variables, limit="ct203")
         assert result.rc != 0, result
-        assert "No wheel for psutil, nvidia-ml-py in release_gpus_wheel_dir (%s)" % empty in result.output, result
+        assert "No wheel for psutil, nvidia-ml-py in release_gpus_advanced.wheel_dir (%s)" % empty in result.output, result
     finally:
         shutil.rmtree(root, ignore_errors=True)

@@ -13,7 +13,7 @@ import pytest
 
 from _enginelab import EngineLab
 from _labfixture import module_lab
-from _rolelab import RoleLab
+from _rolelab import REPO, RoleLab
 
 pytestmark = pytest.mark.real_lxc   # an unprivileged real LXC container (idmap, LXCFS)
 
@@ -107,7 +107,9 @@ def test_dependency_install_in_bare_unprivileged_container_leaves_host_alone(rol
     before = listing(paths)
     digest = hashlib.sha1(repr(sorted(before.items())).encode()).hexdigest()
     plain = rolelab.run("plain", 102, [0], 256)
-    result = rolelab.playbook("release_gpus.yml", limit="ct102")
+    # the lab has no index: the wheels come from the controller's folder
+    result = rolelab.playbook("release_gpus.yml", {"release_gpus_advanced": {"wheel_dir": os.path.join(REPO, ".cache", "wheels")}},
+                              limit="ct102")
     assert result.rc == 0, result
     imported = rolelab.exec(102, python, "-c", "import psutil, pynvml; print(psutil.__file__)")
     assert imported.returncode == 0, imported.stdout

@@ -3,13 +3,14 @@
 Run with the target's Python: python3 probe.py SPEC_JSON. Standard library only, so it runs before
 psutil and nvidia-ml-py are installed. SPEC_JSON (all keys optional):
 
-  supervisorctl, supervisor_config, programs, services, docker, commands, timeout, poll, check
+  supervisorctl, supervisor_config, programs, services, docker, commands, timeout, poll, check, refuse
 
 It reports the interpreter, the missing libraries and the service tools, then stops, in this order,
 the systemd units, supervisord programs, docker containers and stop commands it is given, each
 bounded by timeout. Check mode (check: true) stops nothing and lists what it would stop. What does
 not exist is listed in skipped, never a failure. A failure (a stop that did not work) is printed as
-{"error": ...} beside what was done so far, and the exit status is 1.
+{"error": ...} beside what was done so far, and the exit status is 1. A non-empty refuse (the role's
+check of its own variables) is such an error before anything is stopped.
 """
 import importlib
 import importlib.util
@@ -204,10 +205,12 @@ class Stopper:
             self.stopped("docker container " + name)
 
     def validate(self):
+        if self.spec.get("refuse"):  # the role's own check of its variables, before anything is stopped
+            raise StopError(self.spec["refuse"])
         for item in self.spec.get("commands") or []:
             if not isinstance(item, dict) or "name" not in item or "command" not in item or not (
                     "pidfile" in item or "pattern" in item):
-                raise StopError("release_gpus_stop_commands entries need name, command and a pidfile or a pattern"
+                raise StopError("release_gpus_advanced.stop_commands entries need name, command and a pidfile or a pattern"
                                 " to wait on (the command runs only while that is alive): %s" % (item,))
 
     def commands(self):

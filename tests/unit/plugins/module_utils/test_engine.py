@@ -183,7 +183,7 @@ def test_fmt_and_missing_lib_message():
     assert fmt_mib(4000) == "3.9 GiB" and fmt_mib(12) == "12 MiB"
     line = missing_lib_message("nvidia-ml-py", "pynvml")
     assert "\n" not in line and "nvidia-ml-py" in line and "-m pip install nvidia-ml-py" in line
-    assert "PEP 668" in line and "ansible_python_interpreter" in line and "release_gpus_wheel_dir" in line
+    assert "PEP 668" in line and "ansible_python_interpreter" in line and "release_gpus_advanced.wheel_dir" in line
 
 
 def test_an_ancestor_holding_a_gpu_is_protected_counted_and_never_signalled(proc):

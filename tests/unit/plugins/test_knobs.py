@@ -1,0 +1,110 @@
+"""Issue 22's fewer knobs: gpu_release's short public set with one `advanced` dict (the old top-level spellings still
+work until 1.0.0, deprecated), the role's main argument spec of 15 variables with `release_gpus_advanced` (each key's
+default in vars/main.yml), and shared_gpu: own saying how much others hold."""
+import os
+import subprocess
+import sys
+
+import yaml
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import held_by_others_mib, share_words
+from ansible_collections.gpuops.fleet.plugins.modules import gpu_release
+
+REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+BIN = os.path.dirname(sys.executable)
+PUBLIC = {"gpus", "match", "protect", "containers", "host_processes", "shared_gpu", "term_timeout", "kill_timeout",
+          "gpu_reset", "container_restart", "collateral", "advanced"}
+
+
+def documented_options():
+    doc = yaml.safe_load(gpu_release.DOCUMENTATION)
+    return doc["options"]
+
+
+def test_gpu_release_documents_the_short_set_advanced_and_deprecated_spellings():
+    options = documented_options()
+    advanced = set(options["advanced"]["suboptions"])
+    assert advanced == set(gpu_release.ADVANCED_ARGS)
+    deprecated = set(k for k, v in options.items() if str(v["description"]).startswith("Deprecated, removed in 1.0.0"))
+    assert deprecated == advanced
+    # with gpus and the credentials from the doc fragments, what is not deprecated is the short public set
+    assert set(options) - deprecated - {"proxmox_api"} == PUBLIC - {"gpus"}
+    for name in advanced:
+        sub = options["advanced"]["suboptions"][name]
+        assert sub.get("default") == gpu_release.ADVANCED_ARGS[name].get("default"), name
+
+
+class _Module(object):
+    def __init__(self, params):
+        self.params = params
+
+
+def test_flatten_advanced_takes_the_dict_and_lets_a_deprecated_top_level_key_win():
+    params = dict((k, None) for k in gpu_release.ADVANCED_ARGS)
+    params["advanced"] = {"verify_timeout": 5.0, "clean_shm": True}
+    params["lock_timeout"] = 7.0
+    module = _Module(params)
+    labels = gpu_release.flatten_advanced(module)
+    assert params["verify_timeout"] == 5.0 and params["clean_shm"] is True
+    assert params["lock_timeout"] == 7.0 and labels["lock_timeout"] == "lock_timeout"
+    assert params["timeout"] == 180.0 and labels["timeout"] == "advanced.timeout"
+
+
+def run_task(tmp_path, args):
+    book = tmp_path / "play.yml"
+    book.write_text(yaml.safe_dump([{"hosts": "localhost", "gather_facts": False,
+                                     "tasks": [{"gpuops.fleet.gpu_release": args}]}]))
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_DEPRECATION_WARNINGS="1", ANSIBLE_LOCALHOST_WARNING="0",
+               ANSIBLE_INVENTORY_UNPARSED_WARNING="0")
+    return subprocess.run([os.path.join(BIN, "ansible-playbook"), "-c", "local", str(book)], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+
+
+def test_bad_advanced_value_is_named_and_the_old_spelling_warns(tmp_path):
+    new = run_task(tmp_path, {"advanced": {"verify_timeout": "nan"}})
+    assert new.returncode == 2 and "advanced.verify_timeout must be a finite number, got nan" in new.stdout, new.stdout
+    assert "DEPRECATION" not in new.stdout + new.stderr
+    old = run_task(tmp_path, {"verify_timeout": "nan"})
+    assert old.returncode == 2 and "verify_timeout must be a finite number, got nan" in old.stdout, old.stdout
+    assert "advanced.verify_timeout must" not in old.stdout
+    words = " ".join((old.stdout + old.stderr).split())
+    assert "DEPRECATION" in words and "verify_timeout" in words and "1.0.0" in words, words
+
+
+def test_role_main_spec_has_at_most_15_variables_and_every_advanced_key_a_default():
+    with open(os.path.join(REPO, "roles", "release_gpus", "meta", "argument_specs.yml")) as f:
+        spec = yaml.safe_load(f)["argument_specs"]["main"]["options"]
+    assert len(spec) <= 15 and "release_gpus_advanced" in spec, sorted(spec)
+    with open(os.path.join(REPO, "roles", "release_gpus", "vars", "main.yml")) as f:
+        role_vars = yaml.safe_load(f)
+    defaults = role_vars["_release_gpus_advanced_defaults"]
+    keys = spec["release_gpus_advanced"]["options"]
+    assert set(defaults) == set(keys)
+    for key, option in keys.items():
+        # each key is read as its flat deprecated variable first, then the dict
+        assert "_release_gpus_" + key in role_vars, key
+        if "default" in option and not str(defaults[key]).startswith("{{"):
+            assert option["default"] == defaults[key], (key, option["default"], defaults[key])
+    with open(os.path.join(REPO, "roles", "release_gpus", "defaults", "main.yml")) as f:
+        role_defaults = yaml.safe_load(f)
+    assert set(role_defaults) == set(spec), "defaults/main.yml holds the main spec's variables, no more"
+    assert defaults["deps_break_system_packages"] is False and defaults["wheel_dir"] == ""
+
+
+class _Report(object):
+    def __init__(self, gpus):
+        self.gpus = gpus
+
+
+def test_share_words_say_how_much_others_hold():
+    report = _Report([
+        {"index": 0, "memory": {"used_mib": 3000}, "by_container": {"101": 0, "102": 2000, "unattributed": 1000}},
+        {"index": 1, "memory": {"used_mib": 500}, "by_container": {"101": 20, "host": 480}},
+    ])
+    one = node.Scope(["101"], False)
+    assert held_by_others_mib(report, one) == 3480
+    assert share_words(report, one) == "this container's share is free; 3480 MiB are held by others"
+    two = node.Scope(["101", "102"], True)
+    assert held_by_others_mib(report, two) == 1000
+    assert share_words(report, two).startswith("the scope's share is free; 1000 MiB")

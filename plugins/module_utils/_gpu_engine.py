@@ -56,14 +56,16 @@ def missing_lib_message(package, import_name):
             % (package, import_name, python, python, package))
 
 
-def check_numbers(module, names, minimum=0.0, strict=False, labels=None):
+def check_numbers(module, names, minimum=0.0, strict=False, labels=None, params=None):
     """Fail the task, naming the option and value, on inf, nan, or a value below (or at, if strict) minimum.
 
-    labels: {name: how the user spelled it} (gpu_release's C(advanced.NAME)).
+    params: the values to check (module.params by default); labels: {name: how the user spelled it}
+    (gpu_release's C(advanced.NAME)).
     """
     labels = labels or {}
+    params = module.params if params is None else params
     for name in names:
-        value = module.params.get(name)
+        value = params.get(name)
         if value is None:
             continue
         label = labels.get(name, name)
@@ -74,11 +76,11 @@ def check_numbers(module, names, minimum=0.0, strict=False, labels=None):
             module.fail_json(msg="%s must be %s, got %s" % (label, bound, value))
 
 
-def check_common_params(module, labels=None):
+def check_common_params(module, labels=None, params=None):
     """Fail the task on a bad GPU_COMMON_ARGS value; returns the compiled redact patterns."""
-    params = module.params
-    check_numbers(module, ["nvml_timeout"], strict=True, labels=labels)
-    check_numbers(module, ["reserved_floor_mib", "threshold_mib"], labels=labels)
+    params = module.params if params is None else params
+    check_numbers(module, ["nvml_timeout"], strict=True, labels=labels, params=params)
+    check_numbers(module, ["reserved_floor_mib", "threshold_mib"], labels=labels, params=params)
     try:
         patterns = compile_patterns(params["redact"])
     except ValueError as exc:
@@ -107,12 +109,13 @@ def check_libraries(module, more=()):
                          exception=repr(PYNVML_IMPORT_ERROR))
 
 
-def check_shm_prefixes(module):
+def check_shm_prefixes(module, params=None, label="shm_prefixes"):
     """Fail the task on a bad shm_prefixes entry; returns the (prefix, stack) pairs with the built-in ones."""
-    for prefix in module.params["shm_prefixes"]:
+    params = module.params if params is None else params
+    for prefix in params["shm_prefixes"]:
         if not prefix or "/" in prefix or "\0" in prefix:
-            module.fail_json(msg="shm_prefixes: each must be a file name's start, without /, got %r" % prefix)
-    return shm.prefixes_with(module.params["shm_prefixes"])
+            module.fail_json(msg="%s: each must be a file name's start, without /, got %r" % (label, prefix))
+    return shm.prefixes_with(params["shm_prefixes"])
 
 
 def engine_from_params(params, patterns):

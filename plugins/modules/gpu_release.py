@@ -119,8 +119,8 @@ options:
         O(advanced.threshold_mib). Memory of other containers is reported, not waited for: the message says
         C(this container's share is free; N MiB are held by others), and each RV(per_container) entry has it as
         C(note)."
-      - V(all) demands the whole GPU free, whoever holds it. So does O(gpu_reset=true), whatever this says: a reset
-        is for memory that no process holds, which V(own) never counts.
+      - V(all) demands the whole GPU free, whoever holds it. So does O(gpu_reset=true), whatever this option says,
+        since a reset is for memory that no process holds, which V(own) never counts.
       - Inside a container, and on a host that is no Proxmox node, there is nothing else to tell apart, and the whole
         GPU must be free either way. The pre-deploy check (C(gpuops.fleet.predeploy_check)) always proves the whole
         GPU.
@@ -815,12 +815,11 @@ def _backstop(signum, frame):
     raise ReleaseTimeout("the overall timeout was reached (hard stop)")
 
 
-def check_scope(module):
+def check_scope(module, params):
     """The node-side scope (a _node.Scope), or None inside a container or on a plain host without one.
 
     Fails the task, before NVML is opened, on options that do not fit where it runs.
     """
-    params = module.params
     view = view_of()
     bad = [c for c in params["containers"] if c < 100]
     if bad:
@@ -875,9 +874,9 @@ def deprecated_top_level(spec):
 
 
 def flatten_advanced(module):
-    """Put each advanced option in module.params, the deprecated top-level value first; returns how each was
-    spelled, for error messages ({name: 'advanced.NAME' or 'NAME'})."""
-    params = module.params
+    """The options as one flat dict, each advanced one from its deprecated top-level spelling when given, else from
+    the advanced dict; and how each was spelled, for error messages ({name: 'advanced.NAME' or 'NAME'})."""
+    params = dict(module.params)
     advanced = params["advanced"] or {}
     labels = {}
     for name, spec in ADVANCED_ARGS.items():
@@ -886,7 +885,7 @@ def flatten_advanced(module):
             continue
         labels[name] = "advanced." + name
         params[name] = advanced.get(name, spec.get("default"))
-    return labels
+    return params, labels
 
 
 def main():
@@ -926,17 +925,16 @@ def main():
     argument_spec.update((name, deprecated_top_level(spec)) for name, spec in ADVANCED_ARGS.items())
     module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
     started = time.monotonic()
-    params = module.params
-    labels = flatten_advanced(module)
+    params, labels = flatten_advanced(module)
 
     # bad input fails before NVML is even opened
     check_numbers(module, ["term_timeout", "kill_timeout", "verify_timeout", "lock_timeout", "reset_timeout",
-                           "collateral_tolerance_mib"], labels=labels)
-    check_numbers(module, ["timeout", "container_timeout", "stop_timeout"], strict=True, labels=labels)
-    check_numbers(module, ["stop_concurrency"], minimum=1, labels=labels)
-    patterns = check_common_params(module, labels)
-    prefixes = check_shm_prefixes(module)
-    scope = check_scope(module)
+                           "collateral_tolerance_mib"], labels=labels, params=params)
+    check_numbers(module, ["timeout", "container_timeout", "stop_timeout"], strict=True, labels=labels, params=params)
+    check_numbers(module, ["stop_concurrency"], minimum=1, labels=labels, params=params)
+    patterns = check_common_params(module, labels, params)
+    prefixes = check_shm_prefixes(module, params, labels["shm_prefixes"])
+    scope = check_scope(module, params)
     try:
         match = compile_regex(params["match"], "match") if params["match"] is not None else None
         protect = Protect(params["protect"])

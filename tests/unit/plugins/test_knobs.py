@@ -45,10 +45,11 @@ def test_flatten_advanced_takes_the_dict_and_lets_a_deprecated_top_level_key_win
     params["advanced"] = {"verify_timeout": 5.0, "clean_shm": True}
     params["lock_timeout"] = 7.0
     module = _Module(params)
-    labels = gpu_release.flatten_advanced(module)
-    assert params["verify_timeout"] == 5.0 and params["clean_shm"] is True
-    assert params["lock_timeout"] == 7.0 and labels["lock_timeout"] == "lock_timeout"
-    assert params["timeout"] == 180.0 and labels["timeout"] == "advanced.timeout"
+    flat, labels = gpu_release.flatten_advanced(module)
+    assert flat["verify_timeout"] == 5.0 and flat["clean_shm"] is True
+    assert flat["lock_timeout"] == 7.0 and labels["lock_timeout"] == "lock_timeout"
+    assert flat["timeout"] == 180.0 and labels["timeout"] == "advanced.timeout"
+    assert params["timeout"] is None, "module.params (the task's invocation) keeps what was given"
 
 
 def run_task(tmp_path, args):

@@ -45,6 +45,9 @@ MPS_CONTROL = "nvidia-cuda-mps-control"
 INIT_PID_NS_INODE = 0xEFFFFFFC  # the host's (initial) PID namespace
 
 
+OS_PACKAGES = {"psutil": "python3-psutil", "nvidia-ml-py": "python3-pynvml"}  # Debian's names
+
+
 def missing_lib_message(package, import_name):
     """One line naming the package and how to install it."""
     python = sys.executable or "python3"
@@ -52,8 +55,8 @@ def missing_lib_message(package, import_name):
             "'%s -m pip install %s' (or run the gpuops.fleet.release_gpus role, which installs it); where that "
             "Python is externally managed (PEP 668: pip says externally-managed-environment), install it into a "
             "virtual environment and point ansible_python_interpreter at its python, or install the OS package "
-            "(python3-psutil, python3-pynvml), or let the role push wheels (release_gpus_advanced.wheel_dir)"
-            % (package, import_name, python, python, package))
+            "(%s), or let the role push wheels (release_gpus_advanced.wheel_dir)"
+            % (package, import_name, python, python, package, OS_PACKAGES.get(package, "python3-" + import_name)))
 
 
 def check_numbers(module, names, minimum=0.0, strict=False, labels=None, params=None):

@@ -86,7 +86,7 @@ def test_every_scenario_released_bystanders_untouched(clean):
 def test_check_mode_signals_nothing(clean):
     lab = clean
     run = lab.run("plain", 101, [0])
-    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0]), check_mode=True)
+    play = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[0]), check_mode=True)
     assert not play.failed and play["changed"] is True and play["actions"] == []
     assert [(p["pid"], p["signals"]) for p in play["plan"]] == [(run["container_holders"][0], ["SIGTERM", "SIGKILL"])]
     assert host_alive(run["holders"][0]) and lab.used(0) == 512
@@ -95,7 +95,7 @@ def test_check_mode_signals_nothing(clean):
 def test_match_excluding_a_holder_fails_honestly(clean):
     lab = clean
     keep = lab.run("plain", 101, [0])
-    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0], match="no-such-job"))
+    play = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[0], match="no-such-job"))
     assert play.failed and host_alive(keep["holders"][0]) and lab.used(0) == 512
     assert play["actions"] == []
     assert play["not_signalled"][0]["pid"] == keep["container_holders"][0]
@@ -106,7 +106,7 @@ def test_match_selects_among_holders(clean):
     lab = clean
     target = lab.run("plain", 101, [0], extra=["--fake-secret"])
     keep = lab.run("mmap_only", 101, [1])
-    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[0, 1], match="--api-key"))
+    play = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[0, 1], match="--api-key"))
     assert play.failed                                   # GPU 1 still held by the excluded holder
     assert not host_alive(target["holders"][0]) and host_alive(keep["holders"][0])
     assert lab.used(0) == 0 and lab.used(1) == 512
@@ -179,7 +179,7 @@ def test_long_running_sibling_of_the_same_name_is_no_respawn(clean):
         assert wait_until(lambda: lab.used(5) == 512, timeout=20)
         sibling = lab.exec(102, "supervisorctl", "pid", "gpuops-sibling").stdout.strip()
         assert sibling.isdigit()
-        play = lab.play("ct102", "gpu_release", dict(FAST, gpus=[1]))
+        play = lab.direct("ct102", "gpu_release", dict(FAST, gpus=[1]))
         assert not play.failed, play
         assert lab.used(5) == 0 and not play.get("respawned")
         assert lab.exec(102, "supervisorctl", "pid", "gpuops-sibling").stdout.strip() == sibling
@@ -211,7 +211,7 @@ def test_layout_release_by_uuid(clean):
     lab = clean
     run = lab.run("plain", 102, [2])                     # minor 6
     uuid = lab.truth()[6]["uuid"]
-    play = lab.play("ct102", "gpu_release", dict(FAST, gpus=[uuid]))
+    play = lab.direct("ct102", "gpu_release", dict(FAST, gpus=[uuid]))
     assert not play.failed, play
     assert lab.used(6) == 0 and not host_alive(run["holders"][0])
     assert [(g["index"], g["minor"]) for g in play["after"]] == [(2, 6)]
@@ -401,7 +401,7 @@ def test_reset_blockers_are_named_and_stop_services_clears_the_daemon_and_persis
     lab.labctl("fault", "--node", "pve1", "--gpu", "3", "--persistence", "on")
     try:
         args = dict(FAST, gpus=[uuid], containers=[101], gpu_reset=True)
-        refused = lab.play("pve1", "gpu_release", args)
+        refused = lab.direct("pve1", "gpu_release", args)
         assert refused.failed and refused["actions"] == [] and lab.used(3) == 1000, refused
         assert refused["msg"].startswith("gpu_reset: a reset would be blocked (reset_blockers: refuse), nothing was signalled")
         kinds = sorted(set(b["kind"] for b in refused["reset_blockers"] if b["action"] == "refused"))
@@ -412,14 +412,14 @@ def test_reset_blockers_are_named_and_stop_services_clears_the_daemon_and_persis
         monitor_pid = monitor["roles"]["monitor"]
         node_pid = dict(zip(monitor["host_pids"], monitor["node_pids"]))[monitor_pid]   # the module reads the node
         assert "pid %d (" % node_pid in refused["msg"] and "nvidia-persistenced" in refused["msg"], refused["msg"]
-        services = lab.play("pve1", "gpu_release", dict(args, reset_blockers="stop_services"))
+        services = lab.direct("pve1", "gpu_release", dict(args, reset_blockers="stop_services"))
         assert services.failed and services["actions"] == [] and services["reset_steps"] == [], services
         assert "not a service and never signalled" in services["msg"] and "nvidia-persistenced" not in services["msg"]
         stop = [b for b in services["reset_blockers"] if b["kind"] == "daemon"][0]
         assert stop["action"].startswith("stop supervisord nvidia-persistenced:nvidia-persistenced")
         os.kill(monitor_pid, signal.SIGKILL)
         assert wait_until(lambda: not host_alive(monitor_pid))
-        done = lab.play("pve1", "gpu_release", dict(args, reset_blockers="stop_services"))
+        done = lab.direct("pve1", "gpu_release", dict(args, reset_blockers="stop_services"))
         assert not done.failed, done
         assert lab.used(3) == 0 and done["rung_reached"] == "reset"
         assert [(s["step"], s["ok"]) for s in done["reset_steps"]] == [
@@ -442,11 +442,11 @@ def test_mps_clients_of_a_targeted_gpu_get_terminate_client_then_the_ladder(clea
     run = lab.run("mps", 101, [0, 1], mib=700)
     roles, ct = run["roles"], run["container_roles"]
     assert lab.used(0) == 700 + 66 and lab.used(1) == 700
-    status = lab.play("ct101", "gpu_info", {"gpus": [0, 1], "cmdline": False})
+    status = lab.direct("ct101", "gpu_info", {"gpus": [0, 1], "cmdline": False})
     by_pid = dict((h["pid"], h) for h in status["holders"])
     assert by_pid[ct["server"]]["mps_role"] == "server" and by_pid[ct["client1"]]["mps_client_on"] == [1]
     assert [line for line in status["diagnosis"] if line.startswith("MPS: server pid %d (GPU 0 66 MiB)" % ct["server"])]
-    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[1]))
+    play = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[1]))
     assert not play.failed, play
     assert lab.used(1) == 0 and lab.used(0) == 766
     steps = [(a["signal"], a["pid"]) for a in play["actions"]]

@@ -179,7 +179,7 @@ def test_modern_nvml_pids_are_translated_into_the_container(scene):
 
 
 def test_bad_selector_names_value_and_lists_gpus(lab, scene):
-    play = lab.play("ct102", "gpu_info", {"gpus": ["0", "GPU-no-such"]})
+    play = lab.direct("ct102", "gpu_info", {"gpus": ["0", "GPU-no-such"]})
     assert play.failed
     msg = play["msg"]
     assert msg.startswith("GPU 'GPU-no-such' not found; GPUs here: 0 (minor 4,")
@@ -187,7 +187,7 @@ def test_bad_selector_names_value_and_lists_gpus(lab, scene):
 
 
 def test_check_mode_reports_the_same_and_changes_nothing(lab, scene):
-    play = lab.play("ct102", "gpu_info", {"gpus": [3]}, check_mode=True)
+    play = lab.direct("ct102", "gpu_info", {"gpus": [3]}, check_mode=True)
     assert not play.failed and play["changed"] is False and len(play["gpus"]) == 1
     pid = scene["ct102"]["container_holders"][0]
     assert play["gpus"][0]["holders"] == [pid] and play["gpus"][0]["memory"]["used_mib"] == 4096
@@ -247,7 +247,7 @@ legacy_lab = module_lab(lambda: EngineLab("englg1", ["--nodes", "1", "--containe
 def test_legacy_nvml_host_pids_are_not_trusted(legacy_lab):
     run = legacy_lab.run("plain", 101, [1], mib=1024)
     host_pid, ct_pid = run["node_holders"][0], run["container_holders"][0]  # the node is the host
-    play = legacy_lab.play("ct101", "gpu_info")
+    play = legacy_lab.direct("ct101", "gpu_info")
     assert not play.failed, play
     g = gpu(play, 1)
     assert g["holders"] == [ct_pid]                       # /proc's word
@@ -265,7 +265,7 @@ def test_readiness_names_capacity_health_and_their_remedies_and_clears_with_the_
     lab.labctl("fault", "--node", "pve1", "--gpu", 4, "--health", "retired_pages_pending")
     lab.labctl("fault", "--node", "pve1", "--gpu", 5, "--health", "row_remap_pending")
     try:
-        play = lab.play("ct102", "gpu_info", {"gpus": [0, 1, 3], "need_mib": 140000, "cmdline": False})
+        play = lab.direct("ct102", "gpu_info", {"gpus": [0, 1, 3], "need_mib": 140000, "cmdline": False})
     finally:
         for minor in (4, 5):
             lab.labctl("fault", "--node", "pve1", "--gpu", minor, "--health", "none")
@@ -280,16 +280,16 @@ def test_readiness_names_capacity_health_and_their_remedies_and_clears_with_the_
     assert checks[3]["capacity"]["free_mib"] == total - held["memory"]["used_mib"] and held["memory"]["used_mib"] >= 4096
     assert checks[3]["capacity"]["need_mib"] == 140000 and "140,000 MiB needed" in checks[3]["capacity"]["reason"]
     assert all(g["ready"] is False for g in play["gpus"])
-    after = lab.play("ct102", "gpu_info", {"gpus": [1], "need_mib": 1000, "cmdline": False})
+    after = lab.direct("ct102", "gpu_info", {"gpus": [1], "need_mib": 1000, "cmdline": False})
     assert [e["check"] for e in gpu(after, 1)["not_ready"]] == ["free"], after["gpus"]  # ct101's tp_server holds it
     states = dict((h["check"], h["state"]) for h in gpu(after, 1)["health"])
     assert states == {"retired_pages": "not_applicable", "row_remap": "ok", "ecc_mode": "ok", "recovery_action": "ok"}
 
 
 def test_readiness_rejects_a_bad_need_before_reading(lab, scene):
-    play = lab.play("ct102", "gpu_info", {"need_fraction": 1.5})
+    play = lab.direct("ct102", "gpu_info", {"need_fraction": 1.5})
     assert play.failed and "need_fraction must be above 0 and at most 1, got 1.5" in play["msg"]
-    both = lab.play("ct102", "gpu_info", {"need_fraction": 0.5, "need_mib": 10})
+    both = lab.direct("ct102", "gpu_info", {"need_fraction": 0.5, "need_mib": 10})
     assert both.failed and "mutually exclusive" in both["msg"]
 
 
@@ -301,7 +301,7 @@ def test_a_device_file_that_does_not_open_makes_its_gpu_not_ready(lab, scene):
                     "touch /run/rofs/nvidia5 && mount -o remount,ro /run/rofs && mount --bind /run/rofs/nvidia5 /dev/nvidia5")
     assert made.returncode == 0, made.stdout
     try:
-        play = lab.play("ct102", "gpu_info", {"gpus": [1, 2], "cmdline": False})
+        play = lab.direct("ct102", "gpu_info", {"gpus": [1, 2], "cmdline": False})
     finally:
         undone = lab.exec(102, "sh", "-ec", "umount /dev/nvidia5 && umount /run/rofs")
     assert undone.returncode == 0, undone.stdout

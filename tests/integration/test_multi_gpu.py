@@ -32,18 +32,18 @@ def used(lab):
 def test_one_holder_per_gpu_target_one_frees_only_it(clean):
     lab = clean
     runs = [lab.run("plain", 101, [i], mib=1024 + 100 * i) for i in range(3)]
-    status = lab.play("ct101", "gpu_info")
+    status = lab.direct("ct101", "gpu_info")
     assert not status.failed, status
     by_pid = dict((h["pid"], h) for h in status["holders"])
     for i, run in enumerate(runs):
         holder = by_pid[run["container_holders"][0]]
         assert holder["gpus"] == [i] and holder["maps_gpus"] == [0, 1, 2, 3], holder
         assert holder["evidence"] == ["nvml", "mapping"] and holder["context_gpus"] == [i]
-    plan = lab.play("ct101", "gpu_release", dict(FAST, gpus=[1]), check_mode=True)
+    plan = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[1]), check_mode=True)
     assert not plan.failed, plan
     assert plan_pids(plan) == [runs[1]["container_holders"][0]] and plan["actions"] == []
     assert [host_alive(r["holders"][0]) for r in runs] == [True] * 3
-    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[1]))
+    play = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[1]))
     assert not play.failed, play
     assert signalled(play) == set(runs[1]["container_holders"])
     assert [host_alive(r["holders"][0]) for r in runs] == [True, False, True]
@@ -119,7 +119,7 @@ def test_two_dead_parents_each_child_pinned_to_its_own_gpu(clean):
     lab = clean
     run = lab.run("two_parents", 101, [1, 2], mib=1536)
     children = [run["container_roles"]["child0"], run["container_roles"]["child1"]]
-    status = lab.play("ct101", "gpu_info")
+    status = lab.direct("ct101", "gpu_info")
     assert not status.failed, status
     pinned = dict((h["pid"], (h["gpus"], h["heir_of"])) for h in status["holders"])
     dead = [run["container_roles"]["parent0"], run["container_roles"]["parent1"]] \
@@ -127,7 +127,7 @@ def test_two_dead_parents_each_child_pinned_to_its_own_gpu(clean):
     assert pinned[children[0]][0] == [1] and pinned[children[1]][0] == [2], pinned
     if dead[0] is not None:
         assert pinned[children[0]][1] == [dead[0]] and pinned[children[1]][1] == [dead[1]]
-    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[2]))
+    play = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[2]))
     assert not play.failed, play
     assert signalled(play) == {children[1]}
     assert host_alive(run["roles"]["child0"]) and not host_alive(run["roles"]["child1"])
@@ -138,7 +138,7 @@ def test_forked_child_is_released_after_its_parent(clean):
     lab = clean
     run = lab.run("fork_inherit", 101, [3], mib=1024)
     bystander = lab.run("plain", 101, [0], mib=700)
-    play = lab.play("ct101", "gpu_release", dict(FAST, gpus=[3]))
+    play = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[3]))
     assert not play.failed, play
     assert signalled(play) == {run["container_roles"]["parent"], run["container_roles"]["child"]}
     assert not host_alive(run["roles"]["child"]) and host_alive(bystander["holders"][0])

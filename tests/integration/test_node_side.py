@@ -64,7 +64,7 @@ def _flocked(path):
 def test_node_status_shows_every_containers_holders_with_vmid_and_container_pid(clean):
     a = clean.run("plain", 101, [0], mib=1000)
     b = clean.run("plain", 102, [0], mib=700)
-    play = clean.play("pve1", "gpu_info", {"cmdline": False})
+    play = clean.direct("pve1", "gpu_info", {"cmdline": False})
     assert not play.failed, play
     assert play["view"] == "node" and play["in_container"] is False
     gpu = node_gpu(play, 0)
@@ -80,7 +80,7 @@ def test_node_status_shows_every_containers_holders_with_vmid_and_container_pid(
 
 def test_node_release_without_a_scope_fails_before_any_signal(clean):
     a = clean.run("plain", 101, [0])
-    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"]))
+    play = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["0"]))
     assert play.failed and "signals nothing without a scope" in play["msg"] and "containers: [VMID" in play["msg"]
     assert host_alive(a["holders"][0]) and clean.used(0) == 512
 
@@ -88,12 +88,12 @@ def test_node_release_without_a_scope_fails_before_any_signal(clean):
 def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):
     a = clean.run("plain", 101, [0], mib=1000)
     b = clean.run("plain", 102, [0], mib=700)
-    check = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101]), check_mode=True)
+    check = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101]), check_mode=True)
     assert [p["pid"] for p in check["plan"]] == [node_pid(a)] and host_alive(a["holders"][0])
     assert [s["pid"] for s in check["not_signalled"]] == [node_pid(b)]
     assert "container 102, which is not in `containers`" in check["not_signalled"][0]["reason"]
     # shared_gpu: own by default (issue 22): 101's share is freed, B is never signalled, and the result says so
-    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101]))
+    play = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101]))
     assert not play.failed and signalled(play) == [node_pid(a)], play
     assert not host_alive(a["holders"][0]) and host_alive(b["holders"][0]) and clean.used(0) == 700
     assert "this container's share is free; 700 MiB are held by others" in play["msg"], play["msg"]
@@ -101,7 +101,7 @@ def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):
     assert entry["verdict"] == "free" and entry["note"] == "this container's share is free; 700 MiB are held by others"
     assert entry["gpus"][0]["others_mib"] == 700, entry
     # shared_gpu: all waits for the whole GPU: B keeps it busy, and B is never signalled
-    whole = clean.play("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], shared_gpu="all"))
+    whole = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], shared_gpu="all"))
     assert whole.failed and whole["actions"] == [] and "not free" in whole["msg"], whole
     assert whole["before"][0]["by_container"] == {"102": 700} and host_alive(b["holders"][0])
 
@@ -124,11 +124,11 @@ def test_a_release_inside_the_container_waits_for_the_node_side_lock(clean):
 
 
 def test_reset_is_refused_inside_a_container_and_while_a_client_runs_on_the_node(clean):
-    inside = clean.play("ct101", "gpu_release", dict(FAST, gpus=["1"], gpu_reset=True))
+    inside = clean.direct("ct101", "gpu_release", dict(FAST, gpus=["1"], gpu_reset=True))
     assert inside.failed and "gpu_reset is refused inside a container" in inside["msg"] and "node" in inside["msg"]
     clean.labctl("leak", "--node", "pve1", "--gpu", 1, "--mib", 1000)
     monitor = clean.run("monitor", 101)
-    refused = clean.play("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))
+    refused = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))
     assert refused.failed and clean.used(1) == 1000, refused
     # issue 21: the monitor is a reset blocker, named before anything is done (reset_blockers: refuse)
     assert refused["actions"] == [] and refused["msg"].startswith(
@@ -137,7 +137,7 @@ def test_reset_is_refused_inside_a_container_and_while_a_client_runs_on_the_node
     assert [(b["kind"], b["action"]) for b in refused["reset_blockers"]] == [("nvml_client", "refused")]
     assert host_alive(monitor["host_pids"][0])   # an NVML client is never signalled
     os.kill(monitor["host_pids"][0], 9)
-    done = clean.play("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))
+    done = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))
     assert not done.failed, done.get("msg")
     assert done["rung_reached"] == "reset" and clean.used(1) == 0, done
     assert [a["outcome"][:4] for a in done["actions"] if a["signal"] == "reset"] == ["done"]
@@ -171,12 +171,12 @@ def test_container_rung_refuses_a_locked_container_and_an_ha_one(clean):
     args = dict(FAST, gpus=["0"], containers=[101], container_restart=True)
     try:
         clean.labctl("lock", "--vmid", 101, "--lock", "backup", parse=False)
-        play = clean.play("pve1", "gpu_release", args)
+        play = clean.direct("pve1", "gpu_release", args)
         assert play.failed and "container 101 is locked (backup)" in play["msg"], play
         assert not [a for a in play["actions"] if a["signal"] == "container_stop"]
         clean.labctl("lock", "--vmid", 101, "--clear", parse=False)
         clean.labctl("ha", "--vmid", 101, parse=False)
-        play = clean.play("pve1", "gpu_release", args)
+        play = clean.direct("pve1", "gpu_release", args)
         assert play.failed and "managed by HA (resource ct:101" in play["msg"], play
         assert host_alive(run["roles"]["launcher"])
     finally:
@@ -186,8 +186,8 @@ def test_container_rung_refuses_a_locked_container_and_an_ha_one(clean):
 
 def test_container_rung_fails_precisely_on_a_thread_stuck_in_the_driver(clean):
     run = clean.run("stuck", 101, [0])
-    play = clean.play("pve1", "gpu_release", dict(gpus=["0"], containers=[101], container_restart=True, term_timeout=0.5,
-                                                  kill_timeout=0.5, verify_timeout=1, container_timeout=30))
+    play = clean.direct("pve1", "gpu_release", dict(gpus=["0"], containers=[101], container_restart=True, term_timeout=0.5,
+                                                    kill_timeout=0.5, advanced={"verify_timeout": 1, "container_timeout": 30}))
     assert play.failed and host_alive(run["holders"][0]), play
     assert "container 101 did not stop" in play["msg"] and "in D state (wchan " in play["msg"], play
     assert "wchan unknown" not in play["msg"] and "only a driver reload or a node reboot frees it" in play["msg"]
@@ -368,7 +368,7 @@ def test_a_locked_container_is_left_out_and_the_others_are_released(clean):
     locked = clean.run("plain", 102, [0], mib=700)
     try:
         clean.labctl("lock", "--vmid", 102, "--lock", "backup", parse=False)
-        play = clean.play("pve1", "gpu_release", dict(FAST, containers=[101, 102], shared_gpu="own"))
+        play = clean.direct("pve1", "gpu_release", dict(FAST, containers=[101, 102], shared_gpu="own"))
     finally:
         clean.labctl("lock", "--vmid", 102, "--clear", parse=False, check=False)
     assert play.failed and "container 102 is locked (backup)" in play["msg"], play
@@ -449,7 +449,7 @@ def test_polls_from_the_node_read_nvml_alone_between_full_reads(clean):
     at most 1 s apart, and only a full read says free. A holder that ignores SIGTERM keeps the scope holding for
     term_timeout (3 s): most polls of that wait are the cheap ones."""
     stubborn = clean.run("term_ignoring", 101, [0], mib=300)
-    play = clean.play("pve1", "gpu_release", dict(FAST, term_timeout=3, containers=[101], shared_gpu="own"))
+    play = clean.direct("pve1", "gpu_release", dict(FAST, term_timeout=3, containers=[101], shared_gpu="own"))
     assert not play.failed, play
     assert [a["signal"] for a in play["actions"] if a["outcome"] == "sent"] == ["SIGTERM", "SIGKILL"], play["actions"]
     reads = play["reads"]
@@ -482,12 +482,12 @@ def test_shm_residue_is_read_in_the_container_and_from_the_node_and_a_used_segme
             102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
         assert mapped
         leak = {"path": "/dev/shm/nccl-leak", "bytes": 8192, "owner": "nccl"}
-        inside = clean.play("ct102", "gpu_info", {"cmdline": False})
+        inside = clean.direct("ct102", "gpu_info", {"cmdline": False})
         assert not inside.failed and inside["shm_residue"] == [leak], inside
         assert "shm_residue_by_container" not in inside.result
         assert any(line.startswith("/dev/shm holds 1 GPU stack file no live process uses (8 KiB of nccl: "
                                    "/dev/shm/nccl-leak)") for line in inside["diagnosis"]), inside["diagnosis"]
-        outside = clean.play("pve1", "gpu_info", {"cmdline": False})
+        outside = clean.direct("pve1", "gpu_info", {"cmdline": False})
         assert not outside.failed and outside["shm_residue_by_container"]["102"] == [leak], outside
         assert outside["shm_residue_by_container"]["101"] == []
         assert any(line.startswith("container 102: /dev/shm holds 1 GPU stack file") for line in outside["diagnosis"])
@@ -496,9 +496,9 @@ def test_shm_residue_is_read_in_the_container_and_from_the_node_and_a_used_segme
     assert wait_until(lambda: "/dev/shm/sgl_live" not in clean.exec(
         102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
     try:
-        after = clean.play("pve1", "gpu_info", {"cmdline": False})
+        after = clean.direct("pve1", "gpu_info", {"cmdline": False})
         assert [e["path"] for e in after["shm_residue_by_container"]["102"]] == ["/dev/shm/nccl-leak", "/dev/shm/sgl_live"]
-        quiet = clean.play("ct102", "gpu_info", {"cmdline": False, "shm_residue": False})
+        quiet = clean.direct("ct102", "gpu_info", {"cmdline": False, "shm_residue": False})
         assert "shm_residue" not in quiet.result
     finally:
         clean.exec(102, "sh", "-c", "rm -f /dev/shm/nccl-leak /dev/shm/PostgreSQL.1 /dev/shm/sgl_live")
@@ -549,7 +549,7 @@ def test_device_access_is_read_inside_each_container_from_the_node(clean):
                       "touch /run/rofs/nvidia1 && mount -o remount,ro /run/rofs && mount --bind /run/rofs/nvidia1 /dev/nvidia1")
     assert made.returncode == 0, made.stdout
     try:
-        play = clean.play("pve1", "gpu_info", {"cmdline": False})
+        play = clean.direct("pve1", "gpu_info", {"cmdline": False})
     finally:
         undone = clean.exec(101, "sh", "-ec", "umount /dev/nvidia1 && umount /run/rofs")
     assert undone.returncode == 0, undone.stdout

@@ -288,6 +288,12 @@ def print_slowest(tally):
         banner("the %d slowest tests" % SLOWEST)
         for seconds, label in sorted(tally.durations, reverse=True)[:SLOWEST]:
             print("%7.1f s  %s" % (seconds, label))
+        per_file = {}
+        for seconds, label in tally.durations:
+            per_file[label.split("::")[0]] = per_file.get(label.split("::")[0], 0.0) + seconds
+        banner("the %d slowest test files (their tests' time, summed over workers)" % SLOWEST)
+        for path, seconds in sorted(per_file.items(), key=lambda kv: -kv[1])[:SLOWEST]:
+            print("%7.1f s  %s" % (seconds, path))
 
 
 def main():

@@ -109,3 +109,18 @@ def test_share_words_say_how_much_others_hold():
     two = node.Scope(["101", "102"], True)
     assert held_by_others_mib(report, two) == 1000
     assert share_words(report, two).startswith("the scope's share is free; 1000 MiB")
+
+
+def test_ansible_doc_renders_the_role_and_every_plugin():
+    """Issue 22: the role's docs (its 15 main variables and the advanced keys) and each plugin's render with
+    ansible-doc from the collection."""
+    def doc(*args):
+        proc = subprocess.run([os.path.join(BIN, "ansible-doc")] + list(args), capture_output=True, text=True,
+                              timeout=120, check=False, env=dict(os.environ, ANSIBLE_NOCOLOR="1"))
+        assert proc.returncode == 0 and not proc.stderr.strip(), (args, proc.stdout[-2000:], proc.stderr)
+        return proc.stdout
+    role = doc("-t", "role", "gpuops.fleet.release_gpus")
+    assert "release_gpus_advanced" in role and "deps_break_system_packages" in role and "wheel_dir" in role
+    for kind, name in (("module", "gpu_info"), ("module", "gpu_release"), ("connection", "pct"),
+                       ("inventory", "proxmox_gpu"), ("callback", "gpu_report")):
+        assert "gpuops.fleet." + name in doc("-t", kind, "gpuops.fleet." + name)

@@ -184,6 +184,7 @@ def test_fmt_and_missing_lib_message():
     line = missing_lib_message("nvidia-ml-py", "pynvml")
     assert "\n" not in line and "nvidia-ml-py" in line and "-m pip install nvidia-ml-py" in line
     assert "PEP 668" in line and "ansible_python_interpreter" in line and "release_gpus_advanced.wheel_dir" in line
+    assert "python3-pynvml" in line and "psutil" not in line, "only what is missing is named"
 
 
 def test_an_ancestor_holding_a_gpu_is_protected_counted_and_never_signalled(proc):

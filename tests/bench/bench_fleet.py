@@ -15,6 +15,7 @@ sshd and pct are not its children). CPU is also given per host and task line, th
 being the `TASK [` lines of the default output. Truth after each run: every GPU at 0 MiB in
 `labctl gpus`, every holder gone from the host's /proc.
 """
+import json
 import os
 import resource
 import statistics
@@ -41,7 +42,8 @@ ANCHOR = """---
       gpuops.fleet.gpu_release:
         term_timeout: %(term_timeout)s
         kill_timeout: %(kill_timeout)s
-        verify_timeout: %(verify_timeout)s
+        advanced:
+          verify_timeout: %(verify_timeout)s
 """ % TIMEOUTS
 
 
@@ -97,8 +99,8 @@ def main():
     with open(anchor, "w") as handle:
         handle.write(ANCHOR)
     role_args = ["-e", "release_gpus_node_concurrency=8"]
-    for key, value in sorted(TIMEOUTS.items()):
-        role_args += ["-e", "release_gpus_%s=%s" % (key, value)]
+    role_args += ["-e", "release_gpus_term_timeout=%(term_timeout)s release_gpus_kill_timeout=%(kill_timeout)s" % TIMEOUTS,
+                  "-e", json.dumps({"release_gpus_advanced": {"verify_timeout": TIMEOUTS["verify_timeout"]}})]
     node_args = role_args + ["-e", "release_gpus_from=node"]
     role_args = role_args + ["-e", "release_gpus_from=container"]     # the per-container path
     variants = [("role, fleet", os.path.join(REPO, "playbooks", "release_gpus.yml"), None, role_args, 24),

@@ -30,7 +30,7 @@ from _enginelab import EngineLab, host_alive  # noqa: E402
 
 ROUNDS = 3
 MIB = 2048
-ARGS = {"term_timeout": 5, "kill_timeout": 5, "verify_timeout": 10}
+ARGS = {"term_timeout": 5, "kill_timeout": 5, "advanced": {"verify_timeout": 10}}
 
 
 def task_seconds(junit_dir):

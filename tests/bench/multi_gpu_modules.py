@@ -52,7 +52,7 @@ TOKEN = "gpuops_mgpu_workload"
 SAFE_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 SYS_EXIT = {"x86_64": 60, "aarch64": 93}
 PR_SET_PDEATHSIG = 1
-RELEASE_ARGS = {"term_timeout": 5, "kill_timeout": 5, "verify_timeout": 10, "timeout": 60}
+RELEASE_ARGS = {"term_timeout": 5, "kill_timeout": 5, "advanced": {"verify_timeout": 10, "timeout": 60}}
 PLAY_TIMEOUT = 150
 
 # name -> what it does; MiB per cuda device index as the process sees it (distinct sizes tell them apart)

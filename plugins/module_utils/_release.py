@@ -1043,25 +1043,33 @@ def free_for_scope(report, gpu, scope):
         return True
     if gpu.get("error") or scope_holders(report, gpu["index"], scope):
         return False
-    mib = sum(v for k, v in (gpu.get("by_container") or {}).items() if scope.allows(k))
-    return mib <= report.engine.threshold_mib
+    return scope_mib(gpu, scope) <= report.engine.threshold_mib
+
+
+def scope_mib(gpu, scope):
+    """The MiB of one GPU that the scope's containers (and the node's processes, with host_processes) hold."""
+    return sum(v for k, v in (gpu.get("by_container") or {}).items() if scope.allows(k))
+
+
+def others_mib(gpu, scope):
+    """The MiB of one GPU that nothing of the scope holds: other containers', the node's, unattributed."""
+    return max(0, ((gpu.get("memory") or {}).get("used_mib") or 0) - scope_mib(gpu, scope))
 
 
 def held_by_others_mib(report, scope):
-    """MiB of the targeted GPUs that nothing of the scope holds: other containers', the node's, unattributed."""
-    total = 0
-    for gpu in report.gpus:
-        used = (gpu.get("memory") or {}).get("used_mib") or 0
-        mine = sum(v for k, v in (gpu.get("by_container") or {}).items() if scope.allows(k))
-        total += max(0, used - mine)
-    return total
+    """others_mib over the targeted GPUs."""
+    return sum(others_mib(gpu, scope) for gpu in report.gpus)
 
 
 def share_words(report, scope):
     """shared_gpu: own, the scope's share free: say so, and how much others hold."""
+    return share_note(scope, held_by_others_mib(report, scope))
+
+
+def share_note(scope, mib):
     whose = ("this container's" if len(scope.containers) == 1 and not scope.host_processes else
              "these containers'" if scope.containers and not scope.host_processes else "the scope's")
-    return "%s share is free; %d MiB are held by others" % (whose, held_by_others_mib(report, scope))
+    return "%s share is free; %d MiB are held by others" % (whose, mib)
 
 
 def targets_free(report, scope=None):
@@ -1094,13 +1102,6 @@ def remaining_of(report, scope=None):
     return out
 
 
-class _Only(object):
-    """One GPU's row, shaped as a report for held_by_others_mib."""
-
-    def __init__(self, gpu):
-        self.gpus = [gpu]
-
-
 def per_container(before, after, releaser, refused=()):
     """On a node with containers in scope: one entry per container, its GPUs (those its config passes in, or
     that it holds) with its MiB before and after, what of it was signalled, whether it changed, its verdict."""
@@ -1127,7 +1128,7 @@ def per_container(before, after, releaser, refused=()):
                 free = bool(now) and (free_for_scope(after, now, one) if releaser.own_only else now["free"])
             rows.append({"index": gpu["index"], "minor": gpu.get("minor"), "uuid": gpu.get("uuid"), "before_mib": mine,
                          "after_mib": None if now is None else (now.get("by_container") or {}).get(vmid, 0),
-                         "others_mib": None if now is None else held_by_others_mib(_Only(now), one),
+                         "others_mib": None if now is None else others_mib(now, one),
                          "free": free})
         signals = [a for a in releaser.actions if a["pid"] in pids or a.get("vmid") == int(vmid)]
         done = [a for a in signals if a["outcome"] == "sent" or (a.get("vmid") and a["outcome"].startswith("done"))]
@@ -1147,7 +1148,7 @@ def per_container(before, after, releaser, refused=()):
         others = sum(r["others_mib"] or 0 for r in rows)
         note = ""
         if verdict == "free" and releaser.own_only and others > releaser.engine.threshold_mib:
-            note = "this container's share is free; %d MiB are held by others" % others
+            note = share_note(one, others)
         out.append({"vmid": int(vmid), "changed": bool(done) if after is not None else bool(planned),
                     "verdict": verdict, "note": note, "gpus": rows, "planned": planned, "found_units": units_here,
                     "stopped": [u["name"] for u in units_here if u.get("outcome", "").startswith("done")],

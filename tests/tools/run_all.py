@@ -2,9 +2,10 @@
 
 Stages: sanity (ansible-test on a copy of the tracked files), unit (pytest),
 lint (ansible-lint, production profile, and antsibull-docs lint-collection-docs), lab (the lab's self-tests, tests/integration/test_lab*.py),
-integration (pytest against the lab). Sanity and lint run in a second process beside the others
-(their output is printed when they end); the lab stage runs before integration, and a broken lab
-stops the run there. Tests marked `timing` run --timing-repeat times (GPUOPS_TIMING_REPEAT).
+integration (pytest against the lab). Sanity, lint and unit run one after another in a second process,
+beside the lab and integration stages (their output is printed when they end): the lab stage waits on
+its lab more than it computes, and the unit tests fill that time. The lab stage runs before
+integration, and a broken lab stops the run there. Tests marked `timing` run --timing-repeat times (GPUOPS_TIMING_REPEAT).
 
 A test that did not run never counts as passed: a sanity test whose program is
 missing counts as skipped, and a skipped test fails the run unless
@@ -29,7 +30,7 @@ STAGES = ("sanity", "unit", "lint", "lab", "integration")
 # Lab and integration tests mostly wait (on ansible-playbook, sshd, the lab): 3 workers on 2 cores took
 # the two stages from 1,703 s to 1,057 s, all passing; each file keeps its own lab.
 WORKERS = 3
-BESIDE = ("sanity", "lint")   # stages run in a second process beside the others
+BESIDE = ("sanity", "lint", "unit")   # stages run in a second process beside the others
 LAB_TESTS = "tests/integration/test_lab*.py"
 SLOWEST = 10
 ALLOWED_SKIPS = os.path.join(REPO, "tests", "allowed_skips.txt")
@@ -256,7 +257,7 @@ def timed(tally, stage, func, *args):
 
 
 def start_beside(stages):
-    """Sanity and lint in a second run_all process; returns (process, log path, tally path)."""
+    """Sanity, lint and unit in a second run_all process; returns (process, log path, tally path)."""
     log = tempfile.NamedTemporaryFile(prefix="gpuops-beside-", suffix=".log", delete=False)
     result = log.name[:-len(".log")] + ".json"
     cmd = [sys.executable, os.path.abspath(__file__), "--tally-json", result]
@@ -277,10 +278,15 @@ def join_beside(tally, beside):
             data = json.load(handle)
         os.unlink(result)
     except (OSError, ValueError):
-        tally.add(0, 1, failures=["sanity and lint: their process ended without a result (exit %s)" % proc.returncode])
+        tally.add(0, 1, failures=["sanity, lint and unit: their process ended without a result (exit %s)"
+                                  % proc.returncode])
         return
     tally.add(data["passed"], data["failed"], data["skipped"], data["failures"])
     tally.times.extend((stage, seconds) for stage, seconds in data["times"])
+    tally.durations.extend((seconds, label) for seconds, label in data["durations"])
+    tally.passed_ids.update(data["passed_ids"])
+    tally.prefixes.update(data["prefixes"])
+    tally.failed_prefixes.update(data["failed_prefixes"])
 
 
 def print_slowest(tally):
@@ -345,7 +351,9 @@ def main():
     if args.tally_json:
         with open(args.tally_json, "w") as handle:
             json.dump({"passed": tally.passed, "failed": tally.failed, "skipped": tally.skipped,
-                       "failures": tally.failures, "times": tally.times}, handle)
+                       "failures": tally.failures, "times": tally.times, "durations": tally.durations,
+                       "passed_ids": sorted(tally.passed_ids), "prefixes": sorted(tally.prefixes),
+                       "failed_prefixes": sorted(p for p in tally.failed_prefixes if p)}, handle)
         return
     if set(stages) >= set(("unit", "lab", "integration")):
         check_reliability(tally)

@@ -4,7 +4,7 @@ Outer stage (host namespaces): join the node's cgroup, exec
 `unshare --pid --fork --kill-child --mount --mount-proc`.
 Inner stage (pid 1 of the node): the host's root file system bound (not recursively) at
 /run/gpuops-lab-rootfs for the containers' lxc.rootfs.path; the lab pct overlaid on /usr/sbin; the node's
-accounts; tmpfs on /run (STATE bound back at its own path); the lab's LXCFS mount bound on
+accounts, root's shell rc files made quiet (quiet_shell_start); tmpfs on /run (STATE bound back at its own path); the lab's LXCFS mount bound on
 /var/lib/lxcfs, where LXC's lxcfs mount hook (common.conf.d/00-lxcfs.conf) takes it from, as on
 Proxmox; /etc/lxc/lxc.conf naming the node's lxcpath, so `lxc-attach -n VMID` needs no -P.
 Proxmox's view of the node (issue 11), in the node's mount namespace only: a read-only overlay on /etc
@@ -21,6 +21,7 @@ reaps orphans (LXC monitors, container launchers) until SIGTERM.
 
 import json
 import os
+import pwd
 import signal
 import subprocess
 import sys
@@ -149,6 +150,20 @@ def setup_dev(cfg):
         sysutil.bind(os.path.join(dev_dir, name), "/dev/" + name)
 
 
+def quiet_shell_start(node_dir):
+    """The node's root starts its shell as on a Proxmox node (Debian's rc files do nothing for a command), not
+    with the host's own rc files: bash reads ~/.bashrc for every ssh command, and a pyenv init there cost
+    0.13 CPU-s a command (measured), in every task of every play. Containers keep the host's view."""
+    quiet = os.path.join(node_dir, "etc", "root-shell-rc")
+    os.makedirs(os.path.dirname(quiet), exist_ok=True)
+    with open(quiet, "w") as f:
+        f.write("# gpuops lab node: root's shell start-up does nothing for a command, as on a Proxmox node\n")
+    home = pwd.getpwnam("root").pw_dir
+    for name in (".bashrc", ".bash_profile", ".bash_login", ".profile"):
+        if os.path.isfile(os.path.join(home, name)):
+            sysutil.bind(quiet, os.path.join(home, name), readonly=True)
+
+
 def setup_mounts(cfg):
     node_dir, state = cfg["node_dir"], cfg["state"]
     sysutil.make_rprivate("/")
@@ -165,6 +180,7 @@ def setup_mounts(cfg):
         source = os.path.join(node_dir, "etc", name)
         if os.path.exists(source) and os.path.exists("/etc/" + name):
             sysutil.bind(source, "/etc/" + name, readonly=True)
+    quiet_shell_start(node_dir)
     if os.path.isdir("/var/lib/lxcfs"):
         sysutil.bind(os.path.join(state, "lxcfs"), "/var/lib/lxcfs")
     os.makedirs("/etc/lxc", exist_ok=True)

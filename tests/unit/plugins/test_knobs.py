@@ -121,6 +121,6 @@ def test_ansible_doc_renders_the_role_and_every_plugin():
         return proc.stdout
     role = doc("-t", "role", "gpuops.fleet.release_gpus")
     assert "release_gpus_advanced" in role and "deps_break_system_packages" in role and "wheel_dir" in role
-    for kind, name in (("module", "gpu_info"), ("module", "gpu_release"), ("connection", "pct"),
-                       ("inventory", "proxmox_gpu"), ("callback", "gpu_report")):
+    for kind, name in (("module", "gpu_info"), ("module", "gpu_release"), ("module", "gpu_report_file"),
+                       ("connection", "pct"), ("inventory", "proxmox_gpu"), ("callback", "gpu_report")):
         assert "gpuops.fleet." + name in doc("-t", kind, "gpuops.fleet." + name)

@@ -32,7 +32,7 @@ attributes:
     support: none
   check_mode:
     support: full
-    details: In check mode nothing is written; RV(changed) says whether the file would change.
+    details: In check mode nothing is written; C(changed) says whether the file would change.
   connection:
     support: none
   delegation:
@@ -51,7 +51,7 @@ options:
     required: true
   content:
     description:
-      - The data to write: a dict, a list, or any value JSON can hold.
+      - The data to write (a dict, a list, or any value JSON can hold).
     type: raw
     required: true
   mode:

@@ -28,8 +28,8 @@ lab = module_lab(lambda: EngineLab("fleet11", ["--nodes", "3", "--containers", "
 
 
 def playbook(lab, extra, check=False, reports=True):
-    """release_gpus.yml over the fleet; reports=False: no release_gpus_report_dir, whose JSON file per container
-    costs two module runs on the controller (about 0.9 CPU-s a container, measured on a 6-container play)."""
+    """release_gpus.yml over the fleet; reports=False: no release_gpus_report_dir (a JSON file per container that
+    the check and second plays' assertions do not read)."""
     report_dir = tempfile.mkdtemp(dir=lab.workdir, prefix="report-")
     variables = {"release_gpus_report_dir": report_dir if reports else "",
                  "release_gpus_advanced": {"install_deps": False, "verify_timeout": 5},

@@ -8,6 +8,7 @@ import re
 import shutil
 
 import pytest
+from ansible.module_utils.ansible_release import __version__ as CORE_VERSION
 
 from _labfixture import clean_role_lab, module_lab
 from _rolelab import REPO, RoleLab, alive, make_venv, proc_state, wave_includes
@@ -51,8 +52,12 @@ def test_every_kind_of_stuck_workload_is_released(fleet_release):
     assert sorted(first.recap) == ["ct101", "ct102", "ct103", "ct201", "ct202", "ct203"], first
     assert first.failed_hosts() == [], first
     # release_gpus_node_concurrency 3: all containers of a node in one wave.
+    # One wave: gpu_release ran once, in one task for all six. ansible-core 2.16's default callback prints no
+    # "included:" line for a looped include_role; 2.17 and later name each wave's hosts there.
+    runs = first.output.split("TASK [gpuops.fleet.release_gpus : Release | Run gpu_release]")[1:]
+    assert len(runs) == 1 and sorted(re.findall(r"changed: \[(ct\d+)\]", runs[0].split("TASK [")[0])) == sorted(first.recap), runs
     waves = wave_includes(first.output)
-    assert list(waves) == [0] and len(waves[0]) == 6, waves
+    assert waves == {} if tuple(int(n) for n in CORE_VERSION.split(".")[:2]) < (2, 17) else list(waves) == [0] and len(waves[0]) == 6, waves
     busy_before = {k: v for k, v in fleet_release["before"].items() if v}
     assert {("101", 0), ("101", 1), ("102", 0), ("103", 1), ("201", 0), ("202", 1), ("203", 0)} <= set(busy_before)
     assert all(used == 0 for used in fleet_release["after"].values()), fleet_release["after"]

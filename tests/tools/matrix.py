@@ -4,7 +4,8 @@
 
 For each version: a venv (.cache/matrix/VERSION) with that ansible-core, the targets' and the controller's
 packages and pytest, the collection linked into it; then the unit tests, the pct connection's integration tests
-(tests/integration/test_connection_pct.py, its own lab), and the sanity tests that depend on core's version
+(tests/integration/test_connection_pct.py, its own lab), the role's (tests/integration/test_role_release_gpus.py,
+its own lab: the role's templating differs between versions), and the sanity tests that depend on core's version
 (validate-modules, import). Prints one table; exits 0 only when every cell passed. `make test-matrix` runs it;
 `.ci/run` calls it after `make test`. The versions here are the range meta/runtime.yml and the README state.
 """
@@ -21,7 +22,7 @@ import run_all
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VERSIONS = ("2.16", "2.17", "2.18", "2.19")
 DEV_PACKAGES = ("pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6", "voluptuous", "pyyaml")
-CELLS = ("unit", "connection", "sanity")
+CELLS = ("unit", "connection", "role", "sanity")
 
 
 def run(cmd, env=None, cwd=REPO, timeout=1800):
@@ -105,6 +106,8 @@ def main():
                 result = run(pytest + ["-n", "2", "tests/unit"], env=env)
             elif cell == "connection":
                 result = run(pytest + ["tests/integration/test_connection_pct.py"], env=env)
+            elif cell == "role":
+                result = run(pytest + ["tests/integration/test_role_release_gpus.py"], env=env)
             else:
                 result = sanity(root, env)
             row[cell] = result

@@ -9,7 +9,7 @@ COLL_LINK := $(SITE)/ansible_collections/gpuops/fleet
 WHEELS := .cache/wheels
 APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo openssl python3-venv shellcheck lxc lxcfs
 
-.PHONY: all venv system-packages test sanity unit lint test-lab integration test-stress test-deep test-respawn test-matrix demo bench gpu-facts clean lab-down
+.PHONY: all venv system-packages test sanity pylint-tests unit lint test-lab integration test-stress test-deep test-respawn test-matrix demo bench gpu-facts clean lab-down
 
 all: test
 
@@ -31,8 +31,13 @@ $(VENV)/.stamp: requirements-controller.txt requirements-target.txt requirements
 test: venv
 	@$(VPY) tests/tools/run_all.py --timing-repeat $${GPUOPS_TIMING_REPEAT:-3}
 
+# ansible-test sanity over everything: make test's sanity stage (pylint over the shipped code) and pylint-tests.
 sanity: venv
-	@$(VPY) tests/tools/run_all.py --only sanity
+	@$(VPY) tests/tools/run_all.py --only sanity --only pylint-tests
+
+# pylint over tests/ (the tests, the lab and the tools); .ci/run runs it after make test.
+pylint-tests: venv
+	@$(VPY) tests/tools/run_all.py --only pylint-tests
 
 unit: venv
 	@$(VPY) tests/tools/run_all.py --only unit

@@ -17,6 +17,7 @@ LABCTL = os.path.join(REPO, "tests", "lab", "labctl")
 if os.path.join(REPO, "tests", "lab") not in sys.path:
     sys.path.append(os.path.join(REPO, "tests", "lab"))
 from lablib.common import clone_lab_id  # noqa: E402  (lab names unique to this clone)
+from lablib.scenarios import gpus_of  # noqa: E402  (labctl gpus, in this process)
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
 SITE_PACKAGES = os.path.join(REPO, ".venv", "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
 if not os.path.exists(os.path.join(VENV_BIN, "ansible-playbook")):
@@ -80,6 +81,8 @@ class EngineLab(object):
 
     # ---- lab
     def labctl(self, *args, parse=True, check=True, timeout=300):
+        if parse and [str(a) for a in args] in (["gpus"], ["gpus", "--node", str(args[-1])]):
+            return gpus_of(self.lab_id, str(args[2]) if len(args) == 3 else None)
         proc = subprocess.run([LABCTL] + [str(a) for a in args], env=self.env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, universal_newlines=True, timeout=timeout, check=False)
         if check and proc.returncode:

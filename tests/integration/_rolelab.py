@@ -26,6 +26,7 @@ LAYOUT = {"101": [0, 1], "102": [2, 3], "103": [4, 5], "201": [0, 1], "202": [2,
 if LAB_DIR not in sys.path:
     sys.path.append(LAB_DIR)
 from lablib.common import LabError, clone_lab_id, proc_state, wait_for  # noqa: E402  (the lab's stdlib helpers, shared with demo.py)
+from lablib.scenarios import gpus_of  # noqa: E402  (labctl gpus, in this process)
 
 
 class PlayResult:
@@ -68,6 +69,8 @@ class RoleLab:
 
     # ---- lab
     def labctl(self, *args, parse=True, check=True):
+        if parse and list(args) in (["gpus"], ["gpus", "--node", args[-1]]):
+            return gpus_of(self.lab_id, args[2] if len(args) == 3 else None)
         proc = subprocess.run([LABCTL] + list(args), env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               universal_newlines=True, timeout=300, check=False)
         if check and proc.returncode:

@@ -10,7 +10,7 @@ import subprocess
 import sys
 import time
 
-from lablib import container, pveapi, sysutil
+from lablib import container, sysutil
 from lablib.common import (DEFAULT_PCT_DELAY, LAB_DIR, REPO, STATE_ROOT, LabError, cgroup2_mount,
                            freezer_mount, node_address, node_name, pid_alive, read_json, rmtree_quiet,
                            run_id, state_dir, vmid_for, wait_for, write_file, write_json)
@@ -23,6 +23,13 @@ WHEELS = os.path.join(REPO, ".cache", "wheels")
 VENV = os.path.join(REPO, ".lab", "venv")
 VENV_BARE = os.path.join(REPO, ".lab", "venv-bare")
 VENV_PACKAGES = ("psutil", "nvidia-ml-py", "supervisor", "proxmoxer", "requests")  # proxmoxer: the node-side container rung over the API
+
+
+def _pveapi():
+    """The lab API's module, imported by the commands that use it (http.server and ssl cost every labctl call
+    about 35 ms)."""
+    from lablib import pveapi
+    return pveapi
 
 
 def system_python():
@@ -451,13 +458,13 @@ class Lab:
         first = sorted(cfg["nodes"].values(), key=lambda n: n["number"])[0]
         address = first["address"]
         try:
-            socket.create_connection((address, pveapi.PORT), timeout=0.5).close()
+            socket.create_connection((address, _pveapi().PORT), timeout=0.5).close()
         except OSError:
             pass
         else:
             raise LabError("%s:%d is already taken (another lab whose LAB_ID gives the same address?)"
-                           % (address, pveapi.PORT))
-        info = pveapi.make_credentials(self.state, address)
+                           % (address, _pveapi().PORT))
+        info = _pveapi().make_credentials(self.state, address)
         pid = self._spawn([system_python(), "-I", os.path.join(LAB_DIR, "lablib", "pveapi.py"), self.state],
                           os.path.join(self.cg_root, "api"), os.path.join(self.state, "api", "api.log"))
 
@@ -465,12 +472,12 @@ class Lab:
             if not pid_alive(pid):
                 raise LabError("lab API exited (see %s/api/api.log)" % self.state)
             try:
-                socket.create_connection((address, pveapi.PORT), timeout=0.5).close()
+                socket.create_connection((address, _pveapi().PORT), timeout=0.5).close()
                 return True
             except OSError:
                 return False
 
-        wait_for(ready, 15, interval=0.05, what="the lab API on %s:%d" % (address, pveapi.PORT))
+        wait_for(ready, 15, interval=0.05, what="the lab API on %s:%d" % (address, _pveapi().PORT))
         return dict(info, pid=pid)
 
     def _wait_sshd(self, node, ncfg):
@@ -534,8 +541,8 @@ class Lab:
         node_compose = {key: compose[key] for key in ("ansible_user", "ansible_ssh_private_key_file",
                                                       "ansible_ssh_common_args")}
         node_compose.update({"ansible_python_interpreter": "'%s'" % (VENV + "/bin/python"), "lab_node": "proxmox_node"})
-        conf = {"plugin": "gpuops.fleet.proxmox_gpu", "url": "https://%s:%d" % (cfg["api"]["address"], pveapi.PORT),
-                "user": pveapi.USER, "token_id": pveapi.TOKEN_ID, "token_secret": pveapi.read_secret(self.state, "token"),
+        conf = {"plugin": "gpuops.fleet.proxmox_gpu", "url": "https://%s:%d" % (cfg["api"]["address"], _pveapi().PORT),
+                "user": _pveapi().USER, "token_id": _pveapi().TOKEN_ID, "token_secret": _pveapi().read_secret(self.state, "token"),
                 "ca_path": cfg["api"]["ca"], "compose": compose, "node_compose": node_compose}
         write_file(self.api_inventory_path(), "# gpuops lab %s, written by labctl (API %s)\n"
                    % (self.rid, cfg["api"]["url"]) + to_yaml(conf), 0o600)
@@ -679,7 +686,7 @@ class Lab:
         return {"vmid": vmid, "node": node, "lock": name}
 
     def ha_resources(self):
-        return pveapi.parse_ha(_read_text(self.ha_path()))
+        return _pveapi().parse_ha(_read_text(self.ha_path()))
 
     def ha(self, vmid, state="started", remove=False):
         """Add (or replace) `ct: VMID` in /etc/pve/ha/resources.cfg, or remove it."""
@@ -689,7 +696,7 @@ class Lab:
         if not remove:
             resources.append({"sid": sid, "type": "ct", "state": state})
         path = self.ha_path()
-        write_file(path + ".tmp", pveapi.format_ha(resources))
+        write_file(path + ".tmp", _pveapi().format_ha(resources))
         os.replace(path + ".tmp", path)
         return {"sid": sid, "state": None if remove else state, "resources": [r["sid"] for r in resources]}
 

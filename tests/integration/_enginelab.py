@@ -211,6 +211,34 @@ class EngineLab(object):
             return finish
         return finish()
 
+    def play_tasks(self, host, module, args_list):
+        """One ansible-playbook run of one module task per entry of args_list on one host, errors ignored (each task's
+        own result still says failed); returns a Play per task, in order."""
+        self.count += 1
+        tag = "%s-%d" % (host, self.count)
+        tree = os.path.join(self.workdir, "tree-" + tag)
+        book = os.path.join(self.workdir, "play-%s.yml" % tag)
+        tasks = [{"name": "case %d" % i, "gpuops.fleet." + module: args, "register": "case_%d" % i, "ignore_errors": True}
+                 for i, args in enumerate(args_list)]
+        # the tree callback keeps a host's last result: this one carries every case's
+        tasks.append({"name": "every case's result", "ansible.builtin.set_fact": {
+            "cases": "{{ [%s] }}" % ", ".join("case_%d" % i for i in range(len(args_list)))}})
+        with open(book, "w") as f:
+            json.dump([{"hosts": host, "gather_facts": False, "tasks": tasks}], f)
+        env = dict(self.env, ANSIBLE_CALLBACKS_ENABLED="ansible.builtin.tree", ANSIBLE_CALLBACK_TREE_DIR=tree)
+        started = time.monotonic()
+        proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", self.inventory, book], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=240,
+                              check=False)
+        seconds = time.monotonic() - started
+        path = os.path.join(tree, host)
+        if proc.returncode != 0 or not os.path.exists(path):
+            raise AssertionError("ansible-playbook of %d cases failed (%d):\n%s" % (len(args_list), proc.returncode,
+                                                                                 proc.stdout))
+        with open(path) as f:
+            cases = json.load(f)["ansible_facts"]["cases"]
+        return [Play(2 if case.get("failed") else 0, case, proc.stdout, seconds) for case in cases]
+
     def play(self, host, module, args=None, check_mode=False, extra_env=None, background=False, task_extra=None):
         """Run one module task with ansible-playbook; returns Play (result from the tree callback)."""
         self.count += 1

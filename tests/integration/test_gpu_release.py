@@ -217,7 +217,7 @@ def test_layout_release_by_uuid(clean):
     assert [(g["index"], g["minor"]) for g in play["after"]] == [(2, 6)]
 
 
-@pytest.mark.parametrize("args, words", [
+BAD_INPUT = [
     ({"gpus": [9]}, ["GPU '9' not found; GPUs here: 0 (minor 4"]),
     ({"term_timeout": -1}, ["term_timeout must be 0 or more, got -1"]),
     ({"kill_timeout": "inf"}, ["kill_timeout must be a finite number, got inf"]),
@@ -227,12 +227,28 @@ def test_layout_release_by_uuid(clean):
     ({"timeout": "inf"}, ["timeout must be a finite number, got inf"]),
     ({"advanced": {"verify_timeout": 1, "no_such": 1}}, ["advanced", "no_such"]),
     ({"match": "[unclosed"}, ["match: regular expression '[unclosed' does not compile"]),
-])
-def test_bad_input_fails_before_any_signal(clean, args, words):
-    lab = clean
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_play(lab):
+    """Every bad input, one task each in one ansible-playbook run (errors ignored) against one holder: each task's
+    result, and the holder's state once all of them ran."""
     run = lab.run("plain", 102, [0])
-    play = lab.play("ct102", "gpu_release", args)
-    assert play.failed and host_alive(run["holders"][0]) and lab.used(4) == 512
+    try:
+        plays = lab.play_tasks("ct102", "gpu_release", [args for args, dummy in BAD_INPUT])
+        after = {"alive": host_alive(run["holders"][0]), "used": lab.used(4)}
+    finally:
+        busy = lab.cleanup()
+    assert not busy, busy
+    return plays, after
+
+
+@pytest.mark.parametrize("args, words", BAD_INPUT)
+def test_bad_input_fails_before_any_signal(bad_input_play, args, words):
+    plays, after = bad_input_play
+    play = plays[[case for case, dummy in BAD_INPUT].index(args)]
+    assert play.failed and after == {"alive": True, "used": 512}, (play, after)
     for word in words:
         assert word in play["msg"]
     assert not play.get("actions")

@@ -154,7 +154,7 @@ def test_container_rung_restarts_a_container_whose_launcher_respawns_faster_than
     run = clean.run("launcher_respawn", 101, [0], mib=900, extra=["--respawn-map-delay", map_delay])
     other = clean.run("plain", 102, [0], mib=700)
     args = dict(FAST, gpus=["0"], containers=[101], shared_gpu="own", container_restart=True)
-    plan = clean.play("pve1", "gpu_release", args, check_mode=True)
+    plan = clean.direct("pve1", "gpu_release", args, check_mode=True)   # the plan direct, the release below a play
     assert not plan.failed, plan
     entry = plan["restart_plan"][0]
     names = [p["name"] for p in entry["processes"]]

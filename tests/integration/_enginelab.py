@@ -233,8 +233,8 @@ class EngineLab(object):
         seconds = time.monotonic() - started
         path = os.path.join(tree, host)
         if proc.returncode != 0 or not os.path.exists(path):
-            raise AssertionError("ansible-playbook of %d cases failed (%d):\n%s" % (len(args_list), proc.returncode,
-                                                                                 proc.stdout))
+            raise AssertionError("ansible-playbook of %d cases failed (%d):\n%s"
+                                 % (len(args_list), proc.returncode, proc.stdout))
         with open(path) as f:
             cases = json.load(f)["ansible_facts"]["cases"]
         return [Play(2 if case.get("failed") else 0, case, proc.stdout, seconds) for case in cases]

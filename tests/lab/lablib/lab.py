@@ -455,16 +455,17 @@ class Lab:
 
     def _start_api(self, cfg):
         """The lab's Proxmox REST API on node 1's address, port 8006 (lablib/pveapi.py)."""
+        pveapi = _pveapi()
         first = sorted(cfg["nodes"].values(), key=lambda n: n["number"])[0]
         address = first["address"]
         try:
-            socket.create_connection((address, _pveapi().PORT), timeout=0.5).close()
+            socket.create_connection((address, pveapi.PORT), timeout=0.5).close()
         except OSError:
             pass
         else:
             raise LabError("%s:%d is already taken (another lab whose LAB_ID gives the same address?)"
-                           % (address, _pveapi().PORT))
-        info = _pveapi().make_credentials(self.state, address)
+                           % (address, pveapi.PORT))
+        info = pveapi.make_credentials(self.state, address)
         pid = self._spawn([system_python(), "-I", os.path.join(LAB_DIR, "lablib", "pveapi.py"), self.state],
                           os.path.join(self.cg_root, "api"), os.path.join(self.state, "api", "api.log"))
 
@@ -472,12 +473,12 @@ class Lab:
             if not pid_alive(pid):
                 raise LabError("lab API exited (see %s/api/api.log)" % self.state)
             try:
-                socket.create_connection((address, _pveapi().PORT), timeout=0.5).close()
+                socket.create_connection((address, pveapi.PORT), timeout=0.5).close()
                 return True
             except OSError:
                 return False
 
-        wait_for(ready, 15, interval=0.05, what="the lab API on %s:%d" % (address, _pveapi().PORT))
+        wait_for(ready, 15, interval=0.05, what="the lab API on %s:%d" % (address, pveapi.PORT))
         return dict(info, pid=pid)
 
     def _wait_sshd(self, node, ncfg):
@@ -524,6 +525,7 @@ class Lab:
 
     def write_api_inventory(self, cfg):
         """STATE/lab.proxmox_gpu.yml: the gpuops.fleet.proxmox_gpu inventory over the lab API."""
+        pveapi = _pveapi()
         ssh = os.path.join(self.state, "ssh")
         bare = {vmid: c["python"] for ncfg in cfg["nodes"].values() for vmid, c in ncfg["containers"].items()
                 if c.get("bare")}
@@ -541,8 +543,8 @@ class Lab:
         node_compose = {key: compose[key] for key in ("ansible_user", "ansible_ssh_private_key_file",
                                                       "ansible_ssh_common_args")}
         node_compose.update({"ansible_python_interpreter": "'%s'" % (VENV + "/bin/python"), "lab_node": "proxmox_node"})
-        conf = {"plugin": "gpuops.fleet.proxmox_gpu", "url": "https://%s:%d" % (cfg["api"]["address"], _pveapi().PORT),
-                "user": _pveapi().USER, "token_id": _pveapi().TOKEN_ID, "token_secret": _pveapi().read_secret(self.state, "token"),
+        conf = {"plugin": "gpuops.fleet.proxmox_gpu", "url": "https://%s:%d" % (cfg["api"]["address"], pveapi.PORT),
+                "user": pveapi.USER, "token_id": pveapi.TOKEN_ID, "token_secret": pveapi.read_secret(self.state, "token"),
                 "ca_path": cfg["api"]["ca"], "compose": compose, "node_compose": node_compose}
         write_file(self.api_inventory_path(), "# gpuops lab %s, written by labctl (API %s)\n"
                    % (self.rid, cfg["api"]["url"]) + to_yaml(conf), 0o600)

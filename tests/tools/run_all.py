@@ -1,8 +1,9 @@
 """Run every test stage of gpuops.fleet and end with one pytest-style summary line.
 
-Stages: sanity (ansible-test on a copy of the tracked files), unit (pytest),
+Stages: sanity (ansible-test on a copy of the tracked files; pylint on plugins/ and roles/ only), unit (pytest),
 lint (ansible-lint, production profile, and antsibull-docs lint-collection-docs), lab (the lab's self-tests, tests/integration/test_lab*.py),
-integration (pytest against the lab). Sanity, lint and unit run one after another in a second process,
+integration (pytest against the lab); pylint-tests (pylint on tests/) only when asked (make pylint-tests,
+make sanity, .ci/run). Sanity, lint and unit run one after another in a second process,
 beside the lab and integration stages (their output is printed when they end): the lab stage waits on
 its lab more than it computes, and the unit tests fill that time. The lab stage runs before
 integration, and a broken lab stops the run there. Tests marked `timing` run --timing-repeat times (GPUOPS_TIMING_REPEAT).

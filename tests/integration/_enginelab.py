@@ -214,43 +214,37 @@ class EngineLab(object):
     def play_tasks(self, host, module, args_list):
         """One ansible-playbook run of one module task per entry of args_list on one host, errors ignored (each task's
         own result still says failed); returns a Play per task, in order."""
-        self.count += 1
-        tag = "%s-%d" % (host, self.count)
-        tree = os.path.join(self.workdir, "tree-" + tag)
-        book = os.path.join(self.workdir, "play-%s.yml" % tag)
         tasks = [{"name": "case %d" % i, "gpuops.fleet." + module: args, "register": "case_%d" % i, "ignore_errors": True}
                  for i, args in enumerate(args_list)]
         # the tree callback keeps a host's last result: this one carries every case's
         tasks.append({"name": "every case's result", "ansible.builtin.set_fact": {
             "cases": "{{ [%s] }}" % ", ".join("case_%d" % i for i in range(len(args_list)))}})
-        with open(book, "w") as f:
-            json.dump([{"hosts": host, "gather_facts": False, "tasks": tasks}], f)
-        env = dict(self.env, ANSIBLE_CALLBACKS_ENABLED="ansible.builtin.tree", ANSIBLE_CALLBACK_TREE_DIR=tree)
-        started = time.monotonic()
-        proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", self.inventory, book], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=240,
-                              check=False)
-        seconds = time.monotonic() - started
-        path = os.path.join(tree, host)
-        if proc.returncode != 0 or not os.path.exists(path):
-            raise AssertionError("ansible-playbook of %d cases failed (%d):\n%s"
-                                 % (len(args_list), proc.returncode, proc.stdout))
-        with open(path) as f:
-            cases = json.load(f)["ansible_facts"]["cases"]
-        return [Play(2 if case.get("failed") else 0, case, proc.stdout, seconds) for case in cases]
+        whole = self._playbook(host, tasks)()
+        if whole.failed or not whole.result:
+            raise AssertionError("ansible-playbook of %d cases failed: %r" % (len(args_list), whole))
+        return [Play(2 if case.get("failed") else 0, case, whole.output, whole.seconds)
+                for case in whole["ansible_facts"]["cases"]]
 
     def play(self, host, module, args=None, check_mode=False, extra_env=None, background=False, task_extra=None):
         """Run one module task with ansible-playbook; returns Play (result from the tree callback)."""
-        self.count += 1
-        tag = "%s-%d" % (host, self.count)
-        tree = os.path.join(self.workdir, "tree-" + tag)
-        book = os.path.join(self.workdir, "play-%s.yml" % tag)
         task = {"name": "module under test", "gpuops.fleet." + module: args or {}}
         if check_mode:
             task["check_mode"] = True
         task.update(task_extra or {})
+        finish = self._playbook(host, [task], extra_env)
+        if background:
+            return finish
+        return finish()
+
+    def _playbook(self, host, tasks, extra_env=None):
+        """Start ansible-playbook with these tasks on one host; returns finish(), which waits and returns Play
+        (the host's last result, from the tree callback)."""
+        self.count += 1
+        tag = "%s-%d" % (host, self.count)
+        tree = os.path.join(self.workdir, "tree-" + tag)
+        book = os.path.join(self.workdir, "play-%s.yml" % tag)
         with open(book, "w") as f:
-            json.dump([{"hosts": host, "gather_facts": False, "tasks": [task]}], f)
+            json.dump([{"hosts": host, "gather_facts": False, "tasks": tasks}], f)
         env = dict(self.env, ANSIBLE_CALLBACKS_ENABLED="ansible.builtin.tree", ANSIBLE_CALLBACK_TREE_DIR=tree)
         env.update(extra_env or {})
         cmd = [os.path.join(VENV_BIN, "ansible-playbook"), "-i", self.inventory, book]
@@ -266,6 +260,4 @@ class EngineLab(object):
                 with open(path) as f:
                     result = json.load(f)
             return Play(proc.returncode, result, output, time.monotonic() - started)
-        if background:
-            return finish
-        return finish()
+        return finish

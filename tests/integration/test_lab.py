@@ -336,6 +336,7 @@ def test_ipc_consumer_keeps_the_dead_producers_memory(lab):
     assert wait_until(lambda: driver_gpus(lab)[2]["used_mib"] == 0, timeout=30)
 
 
+@pytest.mark.timing
 def test_free_delay_memory_stays_after_reaping(lab):
     """Never freed before the delay (measured from the kill); with a long delay, still held once reaped."""
     for delay in (0.15, 2.0):

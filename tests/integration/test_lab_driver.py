@@ -400,6 +400,7 @@ def set_free_delay(lab, seconds):
     os.replace(lab.state / "lab.json.tmp", lab.state / "lab.json")
 
 
+@pytest.mark.timing
 def test_row2_sigkill_frees_after_the_free_delay(lab, probe):
     """Memory and the NVML entry outlive the reaped holder for lab.json's free_delay_s, then go. The delay is
     long (2 s) so that "still held when waitpid returned" holds on a loaded machine; the bound that matters,
@@ -714,6 +715,7 @@ def test_two_parents_each_child_in_its_dead_parents_session(lab, probe, workload
     assert lab.gpus()[2]["used_mib"] == 1000
 
 
+@pytest.mark.timing
 def test_free_delay_defaults_to_the_drivers_when_lab_json_has_none(lab):
     assert "free_delay_s" not in json.loads((lab.state / "lab.json").read_text())
     holder = subprocess.Popen([PY, str(WORKLOAD), "plain", "--minors", "1", "--mib", "64", "--dev-dir",

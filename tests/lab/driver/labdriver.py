@@ -62,6 +62,22 @@ def parse_proc_locks(text):
     return held
 
 
+def flocks_of(pid):
+    """(pid, dev_major, dev_minor, inode) of the FLOCKs held through pid's open files, from /proc/PID/fdinfo.
+    Exact where /proc/locks is not: the kernel serves /proc/locks a page at a time, and an entry that moves between
+    two pages' reads (locks taken or dropped meanwhile by other processes) is missed."""
+    base = "/proc/%d/fdinfo" % pid
+    try:
+        names = os.listdir(base)
+    except OSError:
+        return set()
+    lines = []
+    for name in names:
+        lines += [line.split(":", 1)[1] for line in read_text(os.path.join(base, name)).splitlines()
+                  if line.startswith("lock:")]
+    return parse_proc_locks("\n".join(lines))
+
+
 def parse_nspids(status_text):
     """NSpid list (outermost first) from /proc/PID/status text, or None."""
     for line in status_text.splitlines():
@@ -397,13 +413,18 @@ class Driver:
         """Ages records whose last reference went (free delay, IPC hand-over, residue); returns the FLOCK
         set read now. Caller holds self.lock."""
         held = parse_proc_locks(read_text("/proc/locks"))
-        now, delay = time.time(), self.free_delay()
-        kept, changed = [], False
+        # monotonic: a step of the wall clock once freed a holder's memory 0.2 s before its free delay
+        now, delay = time.monotonic(), self.free_delay()
+        kept, changed, confirmed = [], False, set()
         for r in self.records:
             if r.get("residue_of") is not None:
                 live = any(still_alive(p) for p in r["peers"])
             else:
-                live = (r["host_pid"],) + tuple(r["dev"]) + (r["inode"],) in held
+                key = (r["host_pid"],) + tuple(r["dev"]) + (r["inode"],)
+                if key not in held and "gone_at" not in r and r["host_pid"] not in confirmed:
+                    confirmed.add(r["host_pid"])    # a miss is checked in the holder's own fdinfo
+                    held |= flocks_of(r["host_pid"])
+                live = key in held
             if live:
                 kept.append(r)
                 continue
@@ -579,6 +600,8 @@ class Driver:
             raise RequestError("minor %d is not visible to pid %d" % (minor, pid))
         devid = self.device_id(node, minor)
         held = self.live_state()
+        if devid is not None and (pid,) + devid not in held:
+            held |= flocks_of(pid)
         if devid is None or (pid,) + devid not in held:
             raise RequestError("pid %d holds no flock on %s nvidia%d" % (pid, node, minor))
         chain = pidns_chain(pid)

@@ -1,6 +1,9 @@
 """Parsers and pid translation of the lab driver daemon, on recorded /proc text."""
 
+import fcntl
 import importlib.util
+import json
+import os
 from pathlib import Path
 
 import pytest
@@ -105,3 +108,38 @@ def test_pci_bus_ids_follow_h200_slots():
 
 def test_gpu_key_round_trip():
     assert labdriver.gpu_key("pve1/3") == ("pve1", 3)
+
+
+def test_flocks_of_reads_the_holders_own_fdinfo(tmp_path):
+    path = tmp_path / "nvidia0"
+    path.write_text("")
+    st = os.stat(path)
+    key = (os.getpid(), os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    with open(path) as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        assert key in labdriver.flocks_of(os.getpid())
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        assert key not in labdriver.flocks_of(os.getpid())
+    assert labdriver.flocks_of(2 ** 22 + 1) == set()
+
+
+def test_a_holder_missing_from_a_torn_proc_locks_read_keeps_its_memory(tmp_path, monkeypatch):
+    """A read of /proc/locks longer than a page can miss a live holder's entry; the holder's fdinfo decides, so
+    its memory stays, and goes (free delay 0) once it really lets go."""
+    (tmp_path / "driver").mkdir()
+    (tmp_path / "lab.json").write_text(json.dumps({"free_delay_s": 0}))
+    path = tmp_path / "nvidia0"
+    path.write_text("")
+    st = os.stat(path)
+    real_read_text = labdriver.read_text
+    monkeypatch.setattr(labdriver, "read_text", lambda p: "" if p == "/proc/locks" else real_read_text(p))
+    driver = labdriver.Driver(str(tmp_path))
+    driver.records = [{"node": "pve1", "minor": 0, "dev": [os.major(st.st_dev), os.minor(st.st_dev)],
+                       "inode": st.st_ino, "host_pid": os.getpid(), "chain": [], "mib": 512, "vmid": None}]
+    with open(path) as handle:
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        driver.live_state()
+        assert [(r["mib"], "gone_at" in r) for r in driver.records] == [(512, False)]
+        fcntl.flock(handle, fcntl.LOCK_UN)
+        driver.live_state()
+        assert driver.records == []

@@ -834,7 +834,15 @@ class Server(socketserver.ThreadingUnixStreamServer):
 
     def __init__(self, path, driver):
         self.driver = driver
-        super().__init__(path, Handler)
+        # Bound and listening under a temporary name, then renamed: a client that finds the socket can connect.
+        # Bound in place, a connect between bind and listen was refused (seen failing a lab fixture's start).
+        listening = path + ".new"
+        if os.path.lexists(listening):
+            os.unlink(listening)
+        super().__init__(listening, Handler)
+        os.chmod(listening, 0o666)
+        os.rename(listening, path)
+        self.server_address = path
 
 
 def serve(state_dir, ready_fd=None):
@@ -850,7 +858,6 @@ def serve(state_dir, ready_fd=None):
     server = Server(sock_path, driver)
     stop_watch = threading.Event()
     threading.Thread(target=driver.watch, args=(stop_watch,), name="watch", daemon=True).start()
-    os.chmod(sock_path, 0o666)
     with open(pid_path, "w") as f:
         f.write("%d\n" % os.getpid())
 

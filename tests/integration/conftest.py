@@ -1,7 +1,7 @@
 """Markers of the integration tests, and the repeat of timing-sensitive ones.
 
 Markers: `lab` (needs a lab), `slow` (over a minute alone), `real_lxc` (real LXC containers),
-`timing` (depends on timing: respawns, locks, races, timeouts, pid reuse). GPUOPS_TIMING_REPEAT=N
+`timing` (depends on timing: respawns, locks, races, timeouts, pid reuse, free delays). GPUOPS_TIMING_REPEAT=N
 runs every `timing` test N times (ids end in `[tN]`); `make test` runs them 3 times, `make test-stress` 20.
 """
 import os

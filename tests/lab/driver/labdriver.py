@@ -66,16 +66,23 @@ def flocks_of(pid):
     """(pid, dev_major, dev_minor, inode) of the FLOCKs held through pid's open files, from /proc/PID/fdinfo.
     Exact where /proc/locks is not: the kernel serves /proc/locks a page at a time, and an entry that moves between
     two pages' reads (locks taken or dropped meanwhile by other processes) is missed."""
-    base = "/proc/%d/fdinfo" % pid
     try:
-        names = os.listdir(base)
+        tasks = sorted(os.listdir("/proc/%d/task" % pid), key=lambda tid: tid != str(pid))
     except OSError:
         return set()
-    lines = []
-    for name in names:
-        lines += [line.split(":", 1)[1] for line in read_text(os.path.join(base, name)).splitlines()
-                  if line.startswith("lock:")]
-    return parse_proc_locks("\n".join(lines))
+    for tid in tasks:   # the leader first; a defunct leader's live threads still share its files
+        base = "/proc/%d/task/%s/fdinfo" % (pid, tid)
+        try:
+            names = os.listdir(base)
+        except OSError:
+            continue
+        lines = []
+        for name in names:
+            lines += [line.split(":", 1)[1] for line in read_text(os.path.join(base, name)).splitlines()
+                      if line.startswith("lock:")]
+        if names:
+            return parse_proc_locks("\n".join(lines))
+    return set()
 
 
 def parse_nspids(status_text):

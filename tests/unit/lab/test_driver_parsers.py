@@ -1,9 +1,12 @@
-"""Parsers and pid translation of the lab driver daemon, on recorded /proc text."""
+"""Parsers and pid translation of the lab driver daemon, on recorded /proc text; its reading of a live holder's locks."""
 
 import fcntl
 import importlib.util
 import json
 import os
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -143,3 +146,30 @@ def test_a_holder_missing_from_a_torn_proc_locks_read_keeps_its_memory(tmp_path,
         fcntl.flock(handle, fcntl.LOCK_UN)
         driver.live_state()
         assert driver.records == []
+
+
+def leader_state(pid):
+    with open("/proc/%d/stat" % pid) as handle:
+        return handle.read().rsplit(")", 1)[1].split()[0]
+
+
+def test_flocks_of_a_defunct_leader_are_read_through_its_live_thread(tmp_path):
+    """GPU_FACTS row 4: the leader exited alone (its fdinfo is empty); a thread still holds the files."""
+    path = tmp_path / "nvidia0"
+    path.write_text("")
+    code = ("import ctypes, fcntl, sys, threading, time\n"
+            "f = open(sys.argv[1]); fcntl.flock(f, fcntl.LOCK_SH)\n"
+            "threading.Thread(target=time.sleep, args=(60,)).start()\n"
+            "print('locked', flush=True); ctypes.CDLL(None).syscall(60, 0)\n")   # SYS_exit: this thread only
+    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "locked\n"
+        deadline = time.monotonic() + 30
+        while leader_state(proc.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert leader_state(proc.pid) == "Z" and os.listdir("/proc/%d/fdinfo" % proc.pid) == []
+        st = os.stat(path)
+        assert labdriver.flocks_of(proc.pid) == {(proc.pid, os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)}
+    finally:
+        proc.kill()
+        proc.wait()

@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+import _labpath  # noqa: F401  pylint: disable=unused-import
+from lablib.common import proc_state
+
 DRIVER = Path(__file__).resolve().parents[3] / "tests" / "lab" / "driver" / "labdriver.py"
 spec = importlib.util.spec_from_file_location("labdriver", DRIVER)
 labdriver = importlib.util.module_from_spec(spec)
@@ -148,11 +151,6 @@ def test_a_holder_missing_from_a_torn_proc_locks_read_keeps_its_memory(tmp_path,
         assert driver.records == []
 
 
-def leader_state(pid):
-    with open("/proc/%d/stat" % pid) as handle:
-        return handle.read().rsplit(")", 1)[1].split()[0]
-
-
 def test_flocks_of_a_defunct_leader_are_read_through_its_live_thread(tmp_path):
     """GPU_FACTS row 4: the leader exited alone (its fdinfo is empty); a thread still holds the files."""
     path = tmp_path / "nvidia0"
@@ -165,9 +163,9 @@ def test_flocks_of_a_defunct_leader_are_read_through_its_live_thread(tmp_path):
     try:
         assert proc.stdout.readline() == "locked\n"
         deadline = time.monotonic() + 30
-        while leader_state(proc.pid) != "Z" and time.monotonic() < deadline:
+        while proc_state(proc.pid) != "Z" and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert leader_state(proc.pid) == "Z" and os.listdir("/proc/%d/fdinfo" % proc.pid) == []
+        assert proc_state(proc.pid) == "Z" and os.listdir("/proc/%d/fdinfo" % proc.pid) == []
         st = os.stat(path)
         assert labdriver.flocks_of(proc.pid) == {(proc.pid, os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)}
     finally:

@@ -6,6 +6,7 @@ never only the module's word.
 """
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,7 +157,10 @@ class EngineLab(object):
         raise AssertionError("supervisord in %s did not come back within %ss" % (vmid, timeout))
 
     def down(self):
-        self.labctl("down", parse=False, check=False)
+        try:
+            self.labctl("down", parse=False, check=False)
+        finally:
+            shutil.rmtree(self.workdir, ignore_errors=True)
 
     # ---- ansible
     def hostvars(self, host):

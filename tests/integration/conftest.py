@@ -20,9 +20,6 @@ LONGEST_FIRST = ("test_node_side.py", "test_playbooks.py", "test_gpu_release.py"
                  "test_role_release_gpus.py", "test_role_fleet_node.py", "test_faults_nvml.py",
                  "test_inventory_proxmox_gpu.py", "test_gpu_facts_lab.py", "test_ee.py", "test_gpu_status.py",
                  "test_multi_gpu.py", "test_unprivileged.py", "test_gpu_report.py")
-# ansible-playbook polls its workers' results every 1 ms by default: 8% of a core through a 6 s task (measured),
-# in every play of every test. Every 10 ms costs a tenth of that and at most 10 ms a task.
-os.environ.setdefault("ANSIBLE_INTERNAL_POLL_INTERVAL", "0.01")
 
 
 def pytest_configure(config):

@@ -550,19 +550,25 @@ def env_in_container(conn):
 
 
 @pytest.mark.parametrize('method', ['pct', 'lxc-attach'])
-def test_b3_container_environment_is_not_the_node_sessions(lab, method):
-    agent = subprocess.run(['ssh-agent', '-s'], capture_output=True, text=True, check=True).stdout
+def test_b3_container_environment_is_not_the_node_sessions(lab, method, tmp_path):
+    agent = subprocess.run(['ssh-agent', '-s', '-a', str(tmp_path / 'agent.sock')], capture_output=True, text=True,
+                           check=True).stdout
     sock = re.search(r'SSH_AUTH_SOCK=([^;]+);', agent).group(1)
     agent_pid = int(re.search(r'SSH_AGENT_PID=(\d+);', agent).group(1))
     old_sock = os.environ.get('SSH_AUTH_SOCK')
     os.environ['SSH_AUTH_SOCK'] = sock
+    cp_dir = fresh_cp_dir(lab)
     try:
-        conn = plugin_connection(lab, pct_exec_method=method, ansible_control_path_dir=fresh_cp_dir(lab),
+        conn = plugin_connection(lab, pct_exec_method=method, ansible_control_path_dir=cp_dir,
                                  ansible_ssh_extra_args='-A')
         on_node = lab.node_ssh('true')  # the node session does have these
         assert on_node.returncode == 0
         env = env_in_container(conn)
     finally:
+        # end the master connection: the node's sshd then removes the forwarded agent's socket from /tmp
+        for name in os.listdir(cp_dir):
+            subprocess.run(['ssh', '-o', 'ControlPath=' + os.path.join(cp_dir, name), '-O', 'exit', 'node'],
+                           capture_output=True, timeout=30, check=False)
         os.kill(agent_pid, 15)
         if old_sock is None:
             os.environ.pop('SSH_AUTH_SOCK', None)
@@ -573,9 +579,10 @@ def test_b3_container_environment_is_not_the_node_sessions(lab, method):
     assert env['HOME'] == '/root' and env['USER'] == 'root' and env['LOGNAME'] == 'root', env
 
 
-def test_b3_node_session_has_what_the_container_must_not_get(lab):
+def test_b3_node_session_has_what_the_container_must_not_get(lab, tmp_path):
     """Guard for the test above: the node's session does carry SSH_CONNECTION and a forwarded agent."""
-    agent = subprocess.run(['ssh-agent', '-s'], capture_output=True, text=True, check=True).stdout
+    agent = subprocess.run(['ssh-agent', '-s', '-a', str(tmp_path / 'agent.sock')], capture_output=True, text=True,
+                           check=True).stdout
     sock = re.search(r'SSH_AUTH_SOCK=([^;]+);', agent).group(1)
     agent_pid = int(re.search(r'SSH_AGENT_PID=(\d+);', agent).group(1))
     try:

@@ -144,7 +144,7 @@ def test_cuda_backend_rehearsal_on_the_fake_driver(lab_id, tmp_path):
 
 
 @pytest.mark.parametrize("row,roles", [(5, 2), (7, 1)])
-def test_cuda_holders_die_with_the_script(lab_id, row, roles):
+def test_cuda_holders_die_with_the_script(lab_id, row, roles, tmp_path):
     """SIGKILL gpu_facts.py while its holders live (no finally runs): the lifeline still ends them all,
     a forked child (row 5) and a pid 1 of its own namespace (row 7) included."""
     labctl(lab_id, "up", "--nodes", "1", "--containers", "1", "--gpus", "1")
@@ -153,7 +153,8 @@ def test_cuda_holders_die_with_the_script(lab_id, row, roles):
                NVIDIA_LAB_NODE="pve1", NVIDIA_LAB_DEV_DIR=state + "/nodes/pve1/dev")
     before = set(workload_pids())
     script = subprocess.Popen([sys.executable, FACTS, "--backend", "cuda", "--allocator", "lab", "--dev-dir",
-                               state + "/nodes/pve1/dev", "--gib", "1", "--rows", str(row), "--hold-s", "30"],
+                               state + "/nodes/pve1/dev", "--gib", "1", "--rows", str(row), "--hold-s", "30",
+                               "--log-dir", str(tmp_path / "logs")],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         def holding():

@@ -286,8 +286,9 @@ def test_release_under_async(clean):
 
 
 PID_REUSE = r'''
-import os, signal, sys, tempfile, time
+import atexit, os, shutil, signal, sys, tempfile, time
 root = tempfile.mkdtemp()
+atexit.register(shutil.rmtree, root, True)
 os.makedirs(os.path.join(root, "ansible_collections", "gpuops"))
 os.symlink(sys.argv[1], os.path.join(root, "ansible_collections", "gpuops", "fleet"))
 sys.path.insert(0, root)

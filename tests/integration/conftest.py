@@ -20,6 +20,8 @@ LONGEST_FIRST = ("test_node_side.py", "test_playbooks.py", "test_gpu_release.py"
                  "test_role_release_gpus.py", "test_role_fleet_node.py", "test_faults_nvml.py",
                  "test_inventory_proxmox_gpu.py", "test_gpu_facts_lab.py", "test_ee.py", "test_gpu_status.py",
                  "test_multi_gpu.py", "test_unprivileged.py", "test_gpu_report.py")
+# ansible.cfg beside this file: the controller's poll of its workers every 10 ms instead of 1 ms
+os.environ.setdefault("ANSIBLE_CONFIG", os.path.join(os.path.dirname(os.path.abspath(__file__)), "ansible.cfg"))
 
 
 def pytest_configure(config):

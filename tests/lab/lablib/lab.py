@@ -198,8 +198,8 @@ class Lab:
 
     def _build_library(self):
         lib = os.path.join(self.state, "lib")
-        shutil.copy2(built_library(), os.path.join(lib, "libnvidia-ml.so.1"))
-        os.symlink("libnvidia-ml.so.1", os.path.join(lib, "libnvidia-ml.so"))
+        # what build.sh made (the library and its unversioned link), copied: each lab owns its files
+        shutil.copytree(built_library(), lib, symlinks=True, dirs_exist_ok=True)
         # -X: no links touched outside lib; -C: our own cache, the host's stays as it is.
         _run(["ldconfig", "-X", "-C", os.path.join(lib, "ld.so.cache"), lib])
 
@@ -846,8 +846,8 @@ def to_yaml(value, indent=0):
 
 
 def built_library():
-    """The stand-in libnvidia-ml.so.1, compiled once per source (driver/build.sh and nvml_stub.c) under
-    .lab/lib/DIGEST; each lab copies it (gcc cost about 0.35 CPU-s a bring-up)."""
+    """The folder .lab/lib/DIGEST where driver/build.sh put the stand-in libnvidia-ml.so.1, compiled once per
+    source (build.sh and nvml_stub.c); each lab copies it (gcc cost about 0.35 CPU-s a bring-up)."""
     driver = os.path.join(LAB_DIR, "driver")
     digest = hashlib.sha256()
     for name in ("build.sh", "nvml_stub.c"):
@@ -867,7 +867,7 @@ def built_library():
             shutil.rmtree(staging, ignore_errors=True)
             _run(["sh", os.path.join(driver, "build.sh"), staging])
             os.rename(staging, out)
-    return built
+    return out
 
 
 def ensure_venvs():

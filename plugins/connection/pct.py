@@ -533,6 +533,10 @@ _SSH_DROPPED = re.compile(r'^(?:Connection to \S+ closed by remote host\.|client
                           r'Timeout, server \S+ not responding\.|mux_client_request_session: read from master failed: .+|'
                           r'Control master terminated unexpectedly)$')
 _BROKEN_MUX = 'mux_client_hello_exchange: write packet: Broken pipe'
+# How long an ssh that stopped reading its stdin has to exit before the write's broken pipe is the error: ansible-core
+# waits 1 ms, and on a loaded machine an ssh refused by the node was still exiting then, so the play said "Data could
+# not be sent" instead of ssh's own "Connection refused".
+SSH_EXIT_GRACE_S = 5.0
 _SUDO_PROBLEMS = ('a password is required', 'a terminal is required', 'is not in the sudoers file',
                   'is not allowed to execute')
 
@@ -540,6 +544,14 @@ _SUDO_PROBLEMS = ('a password is required', 'a terminal is required', 'is not in
 def _first_line(text: str) -> str:
     lines = [line.strip() for line in text.splitlines() if line.strip()]
     return lines[0] if lines else ''
+
+
+def _exited_within(process: subprocess.Popen, seconds: float) -> bool:
+    try:
+        process.wait(timeout=seconds)
+    except subprocess.TimeoutExpired:
+        return False
+    return True
 
 
 class _SSHFailed(AnsibleConnectionFailure):
@@ -766,6 +778,19 @@ class Connection(SSHConnection):
                 raise
             raise self._explain_ssh(to_text(failure)) from None
         return self._judge(rc, stdout, stderr)
+
+    def _send_initial_data(self, fh: t.Any, in_data: bytes, ssh_process: subprocess.Popen) -> None:
+        """As ssh's, but an ssh that closed its stdin gets SSH_EXIT_GRACE_S to exit: then the run goes on to read its
+        exit code and stderr, which say why (_judge)."""
+        try:
+            super()._send_initial_data(fh, in_data, ssh_process)
+        except AnsibleConnectionFailure:
+            if not _exited_within(ssh_process, SSH_EXIT_GRACE_S):
+                raise
+            try:
+                fh.close()
+            except OSError:
+                pass
 
     def _retrying(self, cmd: list[bytes], attempt: t.Callable[[], tuple[int, bytes, bytes]]) -> tuple[int, bytes, bytes]:
         """Run attempt(); again once on the ControlPersist broken-pipe race (as ansible-core's ssh plugin does),

@@ -278,6 +278,39 @@ def test_exec_command_passes_stdin_for_pipelining(local_node):
     assert (rc, out) == (0, b'module source\n')
 
 
+def ssh_that_stops_reading(tmp_path, then):
+    """ssh stand-in that closes its stdin at once (as ssh does when the node refuses it), then runs `then`."""
+    fake_ssh = tmp_path / 'ssh'
+    fake_ssh.write_text('#!/bin/sh\nexec 0<&-\n%s\n' % then)
+    fake_ssh.chmod(0o755)
+    return make_conn(ansible_ssh_executable=str(fake_ssh), ansible_ssh_args='', ansible_user='root')
+
+
+def test_ssh_refused_while_the_module_is_sent_says_why(tmp_path):
+    """ansible-core gives an ssh whose stdin broke 1 ms to exit, else the error is "Data could not be sent": an ssh
+    refused by the node took longer on a loaded machine (CI, test_e_node_sshd_down). Its own words must come out."""
+    conn = ssh_that_stops_reading(tmp_path, 'sleep 0.3\necho "ssh: connect to host %s port 22: Connection refused" >&2\n'
+                                            'exit 255' % NODE)
+    with pytest.raises(AnsibleConnectionFailure) as info:
+        conn.exec_command('cat', in_data=b'x' * (1024 * 1024), sudoable=False)   # more than a pipe holds
+    assert 'SSH to node root@%s failed: Connection refused (is sshd running on the node?)' % NODE in str(info.value), \
+        str(info.value)
+
+
+def test_an_ssh_that_stops_reading_and_lives_on_is_not_waited_for_long(tmp_path, monkeypatch):
+    pidfile = tmp_path / 'ssh.pid'
+    conn = ssh_that_stops_reading(tmp_path, 'echo $$ > %s\nexec sleep 60' % pidfile)
+    monkeypatch.setattr(sys.modules[type(conn).__module__], 'SSH_EXIT_GRACE_S', 0.5)
+    started = time.monotonic()
+    try:
+        with pytest.raises(AnsibleConnectionFailure) as info:
+            conn.exec_command('cat', in_data=b'x' * (1024 * 1024), sudoable=False)
+    finally:
+        os.kill(int(pidfile.read_text()), 9)
+    assert time.monotonic() - started < 30      # the stand-in sleeps 60 s
+    assert 'failed before the node ran pct: Data could not be sent' in str(info.value), str(info.value)
+
+
 def test_put_and_fetch_stream_without_holding_the_file(local_node, tmp_path):
     size = 24 * 1024 * 1024
     src = tmp_path / 'src.bin'

@@ -217,8 +217,11 @@ def proc_root():
     """An empty /proc (the releaser's verify step reads NVML only); made once for every example."""
     global PROC_ROOT
     if PROC_ROOT is None:
+        import atexit
+        import shutil
         import tempfile
         PROC_ROOT = tempfile.mkdtemp(prefix="gpuops-worlds-proc-")
+        atexit.register(shutil.rmtree, PROC_ROOT, True)   # nothing left in /tmp
         with open(os.path.join(PROC_ROOT, "stat"), "w") as handle:
             handle.write("cpu  1 2 3 4\nbtime 1764400000\n")
         with open(os.path.join(PROC_ROOT, "uptime"), "w") as handle:

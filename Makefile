@@ -20,7 +20,7 @@ system-packages: .cache/system.stamp
 
 venv: $(VENV)/.stamp
 $(VENV)/.stamp: requirements-controller.txt requirements-target.txt requirements-dev.txt .cache/system.stamp
-	@# uv when it installs (about 10 s), else pip (about 40 s); the lab's venvs and NVML stand-in build beside
+	@# uv when it installs, else pip (14-34 s against 35-47 s, measured); the lab's venvs and NVML stand-in build beside
 	bash tests/tools/make_venv.sh $(PY) $(VENV) $(WHEELS)
 	mkdir -p $(dir $(COLL_LINK)) && ln -sfn "$(CURDIR)" $(COLL_LINK)
 	touch $@

@@ -38,7 +38,8 @@ def fleet_release(lab):
     try:
         first = lab.playbook("release_gpus.yml", {"release_gpus_node_concurrency": 3})
         after = lab.gpus()
-        second = lab.playbook("release_gpus.yml", {"release_gpus_node_concurrency": 3})
+        # the containers whose bystander, monitor and zombie still run; the other four add time, not cases
+        second = lab.playbook("release_gpus.yml", {"release_gpus_node_concurrency": 3}, limit="ct102,ct203")
         yield {"built": built, "zombie": zombie, "monitor": monitor, "bystander": bystander,
                "before": before, "after": after, "first": first, "second": second}
     finally:
@@ -95,7 +96,7 @@ def test_report_has_before_after_and_rung_per_gpu(fleet_release):
 def test_second_run_changes_nothing(fleet_release):
     second = fleet_release["second"]
     assert second.rc == 0, second
-    assert len(second.recap) == 6
+    assert sorted(second.recap) == ["ct102", "ct203"], second
     assert second.changed() == 0, second
     assert all(not rep["actions"] for rep in second.reports.values()), second.reports
 
@@ -117,35 +118,24 @@ def test_from_node_without_a_node_fails_before_anything_is_stopped(clean):
     assert lab.gpus()[("101", 0)] == 512
 
 
-def test_respawning_program_fails_until_its_service_is_stopped(clean):
-    lab = clean
-    result = lab.run("respawn", 101, [0], 512)
-    program = result["supervisor_program"]
-    refused = lab.playbook("release_gpus.yml", limit="ct101")
-    assert refused.rc != 0, refused
-    assert "respawned by pid" in refused.output and "stop the service first" in refused.output, refused
-    assert lab.gpus()[("101", 0)] > 0, "a respawned holder must hold the GPU again"
-
-    done = lab.playbook("release_gpus.yml", {"release_gpus_supervisor_programs": [program]}, limit="ct101")
-    assert done.rc == 0, done
-    assert lab.gpus()[("101", 0)] == 0
-    assert done.reports["ct101"]["stopped"] == ["supervisord program " + program]
-    status = lab.exec(101, "/usr/local/sbin/supervisorctl", "status", program)
-    assert "STOPPED" in status.stdout, status.stdout
-
-
 def task_lines(output):
     """The TASK [ lines of ansible-playbook's default output (skipped tasks and includes print one too)."""
     return [line for line in output.splitlines() if line.startswith("TASK [")]
 
 
-def test_common_path_runs_at_most_12_task_lines(clean):
-    """Issue 13: dependencies present, one supervisord program to stop, one holder: at most 12 task lines."""
+def test_respawning_program_fails_until_its_service_is_stopped_and_the_common_path_runs_at_most_12_task_lines(clean):
+    """A supervisord program respawns its holder: the release fails naming the respawn until the role is told to stop
+    the program. Issue 13: dependencies present, one supervisord program to stop, one holder: at most 12 task lines."""
     lab = clean
     respawn = lab.run("respawn", 102, [0], 512)
     holder = lab.run("plain", 102, [1], 256)
     program = respawn["supervisor_program"]
     assert lab.gpus()[("102", 0)] == 512 and lab.gpus()[("102", 1)] == 256
+    refused = lab.playbook("release_gpus.yml", {"release_gpus_gpus": [0]}, limit="ct102")    # GPU 1 left for below
+    assert refused.rc != 0, refused
+    assert "respawned by pid" in refused.output and "stop the service first" in refused.output, refused
+    assert lab.gpus()[("102", 0)] > 0, "a respawned holder must hold the GPU again"
+    assert alive(holder["holders"][0]) and lab.gpus()[("102", 1)] == 256
     done = lab.playbook("release_gpus.yml", {"release_gpus_supervisor_programs": [program]}, limit="ct102")
     assert done.rc == 0, done
     lines = task_lines(done.output)

@@ -27,9 +27,9 @@ lab = module_lab(lambda: EngineLab("fleet11", ["--nodes", "3", "--containers", "
                                    + [a for v in VMIDS for a in ("--layout", "%s=0" % v)]))
 
 
-def playbook(lab, extra, check=False, reports=True):
-    """release_gpus.yml over the fleet; reports=False: no release_gpus_report_dir (a JSON file per container that
-    the check and second plays' assertions do not read)."""
+def playbook(lab, extra, check=False, reports=True, limit=None):
+    """release_gpus.yml over the fleet (limit: a --limit pattern); reports=False: no release_gpus_report_dir (a JSON
+    file per container that the check and second plays' assertions do not read)."""
     report_dir = tempfile.mkdtemp(dir=lab.workdir, prefix="report-")
     variables = {"release_gpus_report_dir": report_dir if reports else "",
                  "release_gpus_advanced": {"install_deps": False, "verify_timeout": 5},
@@ -39,7 +39,7 @@ def playbook(lab, extra, check=False, reports=True):
     with open(vars_file, "w") as f:
         json.dump(variables, f)
     cmd = [os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "ansible-playbook"), "-i",
-           lab.inventory, os.path.join(REPO, "playbooks", "release_gpus.yml"), "-e", "@" + vars_file, "--forks", "24"] + (["--check"] if check else [])
+           lab.inventory, os.path.join(REPO, "playbooks", "release_gpus.yml"), "-e", "@" + vars_file, "--forks", "24"] + (["--check"] if check else []) + (["--limit", limit] if limit else [])
     env = dict(lab.env, ANSIBLE_CALLBACKS_ENABLED="gpuops.fleet.gpu_report",
                GPUOPS_REPORT_PATH=os.path.join(report_dir, "rows.json"))
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -57,10 +57,13 @@ def test_fleet_sharing_gpu0_is_freed_by_one_task_per_node_and_changed_is_exact(l
         if vmid not in IDLE:
             runs[vmid] = lab.run("respawn" if vmid in PROGRAMS else "plain", vmid, [0], mib=300, node="pve%s" % vmid[0])
     assert all(lab.used(0, node=n) == 7 * 300 for n in ("pve1", "pve2", "pve3"))
-    check = playbook(lab, {}, check=True, reports=False)     # release_gpus_from: auto, the default, takes the node path
+    # check mode on one node's 8 containers (--limit by pattern): release_gpus_from auto, the default, takes the node path
+    check = playbook(lab, {}, check=True, reports=False, limit="ct1*")
     assert check.rc == 0 and all(lab.used(0, node=n) == 7 * 300 for n in ("pve1", "pve2", "pve3")), check
     assert all(host_alive(r["holders"][0]) for r in runs.values())
-    assert sorted(h[2:] for h, r in check.recap.items() if h.startswith("ct") and r["changed"]) == sorted(runs), check
+    assert sorted(h for h in check.recap if h.startswith("ct")) == ["ct%s" % v for v in VMIDS if v.startswith("1")], check
+    assert sorted(h[2:] for h, r in check.recap.items() if h.startswith("ct") and r["changed"]) == sorted(
+        v for v in runs if v.startswith("1")), check
 
     play = playbook(lab, {})
     assert play.rc == 0 and play.failed_hosts() == [], play
@@ -86,5 +89,6 @@ def test_fleet_sharing_gpu0_is_freed_by_one_task_per_node_and_changed_is_exact(l
         (v, 0 if v in IDLE else 300, 0, "free" if v in IDLE else "freed") for v in VMIDS), rows
     assert all(r["rung"] == ("stop" if str(r["container"]) in PROGRAMS else "none" if str(r["container"]) in IDLE
                              else "sigterm") for r in rows), rows
-    again = playbook(lab, {"release_gpus_from": "node"}, reports=False)     # the same path, named
-    assert again.rc == 0 and again.changed() == 0, again
+    # the same path, named, on another node's 8 containers: a second run changes nothing
+    again = playbook(lab, {"release_gpus_from": "node"}, reports=False, limit="ct2*")
+    assert again.rc == 0 and again.changed() == 0 and len([h for h in again.recap if h.startswith("ct")]) == 8, again

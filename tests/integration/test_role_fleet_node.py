@@ -39,7 +39,8 @@ def playbook(lab, extra, check=False, reports=True, limit=None):
     with open(vars_file, "w") as f:
         json.dump(variables, f)
     cmd = [os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "ansible-playbook"), "-i",
-           lab.inventory, os.path.join(REPO, "playbooks", "release_gpus.yml"), "-e", "@" + vars_file, "--forks", "24"] + (["--check"] if check else []) + (["--limit", limit] if limit else [])
+           lab.inventory, os.path.join(REPO, "playbooks", "release_gpus.yml"), "-e", "@" + vars_file, "--forks", "24"]
+    cmd += (["--check"] if check else []) + (["--limit", limit] if limit else [])
     env = dict(lab.env, ANSIBLE_CALLBACKS_ENABLED="gpuops.fleet.gpu_report",
                GPUOPS_REPORT_PATH=os.path.join(report_dir, "rows.json"))
     proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

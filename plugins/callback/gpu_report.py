@@ -93,6 +93,7 @@ class HostReport:
         self.host = host
         self.gpus = {}          # uuid (or index) -> row fields
         self.stopped = []       # services stopped by the role
+        self.left_changed = []  # what a release stopped and could not restore (its left_changed)
         self.failed = False
         self.unreachable = False
         self.check_mode = False
@@ -108,6 +109,14 @@ class HostReport:
             if entry.get(key) is not None:
                 row["container"] = entry[key]
         return row
+
+    def note_left_changed(self, entries):
+        """What a release stopped and could not restore: one action line each, and the host's rows fail."""
+        for entry in entries if isinstance(entries, list) else ():
+            if isinstance(entry, dict):
+                line = "LEFT CHANGED: %s %s (%s)" % (entry.get("what"), entry.get("state"), entry.get("why"))
+                if line not in self.left_changed:
+                    self.left_changed.append(line)
 
     # ---- module results
     def add_status(self, res):
@@ -143,6 +152,7 @@ class HostReport:
             row["free"] = not mib
 
     def add_release(self, res):
+        self.note_left_changed(res.get("left_changed"))
         before = res.get("before") or []
         after = res.get("after")
         actions = res.get("actions") or []
@@ -184,6 +194,7 @@ class HostReport:
         self.check_mode = self.check_mode or bool(report.get("check_mode"))
         if report.get("stopped"):
             self.stopped = list(report["stopped"])
+        self.note_left_changed(report.get("left_changed"))
         for entry in report.get("gpus") or []:
             row = self.gpu(entry)
             if row["before_mib"] is None:
@@ -215,13 +226,14 @@ class HostReport:
             out.append({"host": self.host, "node": node, "container": row["container"] if row["container"] is not None
                         else container, "gpu_uuid": row["gpu_uuid"], "gpu_index": row["gpu_index"],
                         "before_mib": before, "after_mib": after,
-                        "rung": rung if rung in RUNGS else str(rung), "verdict": verdict,
-                        "actions": ["stopped " + s for s in self.stopped] + row["signals"]})
+                        "rung": rung if rung in RUNGS else str(rung),
+                        "verdict": "failed" if self.left_changed else verdict,
+                        "actions": ["stopped " + s for s in self.stopped] + row["signals"] + self.left_changed})
         if not out and (self.unreachable or self.failed):
             out.append({"host": self.host, "node": node, "container": container, "gpu_uuid": None, "gpu_index": None,
                         "before_mib": None, "after_mib": None, "rung": "none",
                         "verdict": "unreachable" if self.unreachable else "failed",
-                        "actions": ["stopped " + s for s in self.stopped]})
+                        "actions": ["stopped " + s for s in self.stopped] + self.left_changed})
         return out
 
 
@@ -279,6 +291,8 @@ def ingest(report, action, res, delegated=False):
         report.add_status(res)
     elif action in RELEASE_ACTIONS and (res.get("before") or res.get("after")) and not (delegated and res.get("per_container")):
         report.add_release(res)
+    elif action in RELEASE_ACTIONS:
+        report.note_left_changed(res.get("left_changed"))   # a hard stop's result: no readings, perhaps a restore left
     facts = res.get("ansible_facts") or {}
     if isinstance(facts.get("release_gpus_release"), dict):
         report.add_release(facts["release_gpus_release"])

@@ -14,6 +14,44 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import mat
 
 
 COLLATERAL_CHOICES = ("refuse", "stop")
+IN_DRIVER = ("nvidia", "uvm")   # words of a wchan or kernel stack frame in the NVIDIA driver (nvidia*, uvm_*)
+
+
+def stuck_in_driver(record):
+    """The first D-state thread of a record whose wchan or kernel stack is in the NVIDIA driver (nvidia*, uvm*), or
+    None. Such a thread ends only when the driver call returns: a container stop cannot end it, and can hang."""
+    for thread in record.get("blocked_threads") or ():
+        frames = [(frame or "").lower() for frame in [thread.get("wchan")] + list(thread.get("stack") or ())]
+        if thread.get("state", "D") == "D" and any(word in frame for frame in frames for word in IN_DRIVER):
+            return thread
+    return None
+
+
+def reset_blockers(report, gpu, spared=()):
+    """What blocks a reset of gpu (a snapshot's GPU entry): anything with a context that could be on it (may_hold),
+    a process whose read blocked while it had it open, and any client with it open (a real reset fails while any
+    process has the GPU open). spared: pids that will be stopped before the reset (the daemons' services).
+    New records: the evidence is left as it is."""
+    out = [h for h in report.holders if pinning.may_hold(h, gpu["index"])]
+    out += [dict(b, blocked_threads=[{"wchan": "%s (unreadable: blocked)" % (b.get("wchan") or "?")}])
+            for b in report.unreadable if b["pid"] in gpu.get("blocked", ())]
+    out += [dict(c, blocked_threads=[]) for c in report.clients if gpu["minor"] in c["fd_gpu_minors"]]
+    return [b for b in out if b["pid"] not in spared]
+
+
+def reset_refusal(report, gpu, spared=()):
+    """Why a reset of gpu would be refused now (a text), or None: a blocker, or a pid NVML lists that this node
+    does not show."""
+    blockers = reset_blockers(report, gpu, spared)
+    if blockers:
+        return "refused: %s still holds it" % ", ".join(
+            "pid %d (%s%s)" % (b["pid"], b["name"], ", D state in %s" % b["blocked_threads"][0].get("wchan")
+                               if b["blocked_threads"] else "") for b in blockers)
+    listed = [p["pid"] for p in gpu.get("nvml_processes", []) if p["pid"] not in spared]
+    if listed:
+        pids = ", ".join(str(p) for p in listed)
+        return "refused: NVML lists pid %s on it (a process this node does not show)" % pids
+    return None
 
 
 def restart_collateral(holders, targets, tolerance_mib):

@@ -513,7 +513,7 @@ class Engine(object):
         for gpu_report in gpu_reports:
             gpu_report["protected_holders"] = sorted(h["pid"] for h in protected if gpu_report["index"] in h["gpus"])
             gpu_report["holders"] = [p for p in gpu_report["holders"] if p not in own_tree]
-        device_findings = []
+        device_findings, confs = [], None
         if not self.in_container:
             confs = node.read_pve_confs() if self.view == "node" else None
             in_dev = {}
@@ -530,10 +530,12 @@ class Engine(object):
                     passed = sorted(set(passed) | set(int(v) for v, minors in in_dev.items()
                                                       if gpu_report["minor"] in minors))
                 gpu_report["passed_into"] = passed
+                gpu_report["passed_unusable"] = node.passed_unusable(confs, gpu_report["minor"])
         report = Report(self, targets, gpu_reports, [h for h in holders if h["pid"] not in own_tree], clients, scan)
         report.protected_holders = sorted(protected, key=lambda r: r["pid"])
         report.views, report.orphans, report.jobs, report.residue = views, orphans, jobs, residue
         report.nvml_stale, report.linked = stale, linked
+        report.conf_vmids = None if confs is None else sorted(confs, key=int)   # the node's container configs
         report.unknown_gpus = self._unknown(holders)
         report.unreadable = self.unreadable(scan, gpu_reports)
         if self.shm_prefixes is not None:
@@ -675,6 +677,7 @@ class Report(object):
         self.unreadable = []
         self.shm_residue = self.shm_residue_by_container = None
         self.shm_dirs = {}
+        self.conf_vmids = None   # node view: the vmids with a config on this node (None: unread, or not a node)
 
     @property
     def all_free(self):

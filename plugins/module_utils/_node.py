@@ -29,6 +29,12 @@ UNATTRIBUTED = "unattributed"
 _CONTAINER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(/.*)?$")
 
 
+def vmid_key(vmid):
+    """The one key type of a vmid inside the engine: the string a cgroup path writes (lxc/101/ns), whether it came
+    as an int (options, results) or a string (evidence); None stays None. Results carry vmids as ints."""
+    return None if vmid is None else str(int(vmid))
+
+
 def container_of_cgroup(path):
     """The vmid (a string) of the first lxc/VMID/ns in a cgroup path, or None."""
     match = _CONTAINER_RE.search(path or "")
@@ -140,7 +146,8 @@ def check_devices(confs, seen):
 
     confs: {vmid: resolved config}; seen: {vmid: dev_minors() of the container's /dev, read through one of its
     processes}. Returns ({vmid: minors its /dev holds}, [findings]): a GPU in a container's /dev counts as passed
-    in whatever the config says, and each difference is a finding."""
+    in whatever the config says, and each difference is a finding (one its config passes in unusable is none:
+    passed_unusable names it)."""
     held, lines = {}, []
     for vmid in sorted(seen, key=int):
         found = seen[vmid]
@@ -151,7 +158,8 @@ def check_devices(confs, seen):
         if conf is None:
             continue
         configured = set(conf["minors"])
-        extra = sorted(set(found) - configured)
+        denied = set(d["minor"] for d in conf.get("devices") or () if not d["usable"])    # passed_unusable says them
+        extra = sorted(set(found) - configured - denied)
         missing = sorted(configured - set(found))
         renamed = ["%s is minor %d" % (name, m) for m in sorted(found) for name in found[m] if name != "nvidia%d" % m]
         if extra:
@@ -204,6 +212,17 @@ def passed_into(confs, minor):
     if confs is None or minor is None:
         return None
     return sorted(int(v) for v, c in confs.items() if minor in c["minors"])
+
+
+def passed_unusable(confs, minor):
+    """The containers whose config passes GPU minor in but that cannot open it: [{vmid (int), source (the config key),
+    device (on the node), rule (deny-write, or the raw cgroup rule that blocks it)}] by vmid; None when the configs
+    are unreadable."""
+    if confs is None or minor is None:
+        return None
+    return [{"vmid": int(vmid), "source": dev["source"], "device": dev["device"], "rule": dev.get("rule")}
+            for vmid in sorted(confs, key=int) for dev in confs[vmid]["devices"]
+            if dev["minor"] == minor and not dev["usable"]]
 
 
 def read_ha_resources(path=PVE_HA_RESOURCES):

@@ -140,6 +140,22 @@ def access_unread(why):
             "remedy": "check that the container runs and has python3, then run gpu_status inside it"}
 
 
+def unusable(blocked, index, minor):
+    """The entry of a container whose config passes GPU index (minor) in but cannot open it: a passed_unusable entry
+    of the node's read (vmid, source, device, rule)."""
+    vmid, source, rule = blocked["vmid"], blocked["source"], blocked["rule"]
+    conf = "/etc/pve/lxc/%s.conf" % vmid
+    restart = "then restart the container (pct reboot %s)" % vmid
+    if rule == "deny-write":
+        remedy = "pass it in read-write: remove deny-write from %s in %s, %s" % (source, conf, restart)
+    else:
+        remedy = "allow it read-write in %s (lxc.cgroup2.devices.allow: c 195:%s rw, after any rule that denies it), %s" % (
+            conf, minor, restart)
+    return {"check": "device_access", "vmid": vmid, "remedy": remedy,
+            "reason": "container %s: GPU %s (%s, passed in by %s) cannot be opened read-write, blocked by %s" % (
+                vmid, index, blocked.get("device"), source, rule)}
+
+
 def _access_remedy(error, path):
     if "EPERM" in error or "EACCES" in error:
         return "the container's device access was revoked (a systemctl daemon-reload on the node can do it): " \

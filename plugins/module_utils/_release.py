@@ -19,7 +19,9 @@ import concurrent.futures
 import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _blockers as blockers
+from ansible_collections.gpuops.fleet.plugins.module_utils import _hardstop as hardstop
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
+from ansible_collections.gpuops.fleet.plugins.module_utils._hardstop import ReleaseTimeout
 from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
 from ansible_collections.gpuops.fleet.plugins.module_utils._access import read_drm_refcount
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
@@ -31,7 +33,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as re
 from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import (
-    decide, gpu_list_words, mib_list, plan_entry, restart_collateral, restart_unknown,
+    decide, gpu_list_words, mib_list, plan_entry, reset_refusal, restart_collateral, restart_unknown, stuck_in_driver,
 )
 
 try:
@@ -48,16 +50,16 @@ POLL_S = 0.075
 FULL_READ_EVERY_S = 1.0  # shared_gpu: own polls read NVML alone in between (_scope_still_holds)
 GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wait for its memory
 UNIT_WORDS = {"systemd": "unit", "supervisord": "supervisord program", "docker": "docker container"}
+RESTORE_STEP_S = 20.0    # the bound of one restore step (a daemon started, persistence mode back on); reserved
+MIN_ACT_S = 2.0          # the least time a stop needs beside its reserved restore, or it is not started
+SETTLE_S = 5.0           # after a container stop that did not end well: how long its state may take to settle
+SETTLE_POLL_S = 0.5
 RESPAWN_WINDOW_S = 3.0   # how long to watch the parents of killed holders after the verdict
 RESPAWN_STARTING_S = 6.0  # longer while a new child of theirs is still starting (maps nothing yet)
 HEIR_ROUNDS = 3          # re-reads after the signals, for holders pinned only once their parent is dead
 HEIR_WAIT_S = 0.3        # memory of a reaped holder is back 0.12-0.2 s after SIGKILL (GPU_FACTS row 2)
 SNAPSHOT_TRIES = 3       # reads of the GPUs while NVML is not opened again meanwhile (a new helper)
 NVIDIA_SMI_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/local/nvidia/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
-
-
-class ReleaseTimeout(Exception):
-    """The overall `timeout` was reached."""
 
 
 class LockTimeout(Exception):
@@ -328,6 +330,7 @@ class Releaser(object):
         self.stop_found_units = stop_found_units
         self.stop_timeout = stop_timeout
         self.found_units = []     # units.found_for of the plan, with each stop's outcome
+        self.unstopped_units = []  # the same, found but not to stop (stop_found_units off): named on a respawn
         self.scope = scope
         self.own_only = scope is not None and shared_gpu == "own"
         self.container_restart = container_restart
@@ -372,6 +375,9 @@ class Releaser(object):
         self.respawned = None
         self.watch = None        # respawn.RespawnWatch, from the first signal on
         self.reset_done = False
+        self.undo = []           # restores of the stops made, newest last: each runs once, whatever happens
+        self.left_changed = []   # what a restore could not put back: {kind, what, state, why}
+        self.reserved_s = 0.0    # time kept back from the deadline for the registered restores
         self.last_report = None  # the last full read (snapshot), for the cheap polls of shared_gpu: own
         self.last_full_at = None
         self.reads = {"fast": 0, "full": 0}
@@ -518,7 +524,7 @@ class Releaser(object):
         if found is None:
             return False
         self.respawned = found
-        self.failure = respawn.respawn_message(found)
+        self.failure = self._respawn_failure(found)
         self.log("gpuops.fleet.gpu_release: %s" % self.failure)
         return True
 
@@ -538,7 +544,7 @@ class Releaser(object):
         if found is None:
             return False
         self.respawned = found
-        self.failure = respawn.respawn_message(found)
+        self.failure = self._respawn_failure(found)
         return True
 
     def _after_respawn(self):
@@ -597,39 +603,65 @@ class Releaser(object):
 
     # -- what would respawn the plan's holders, stopped in their containers (node side)
     def find_units(self):
-        """The units and programs that run the planned holders (node view, stop_found_units)."""
-        if not self.stop_found_units or self.scope is None or self.engine.view != "node":
+        """The units and programs that run the planned holders (node view): to stop with stop_found_units; else
+        only named, should one of them respawn its holder."""
+        if self.scope is None or self.engine.view != "node":
             return []
         found = units.found_for(self.to_signal, self.proc_root)
-        self.found_units = [dict((k, v) for k, v in u.items() if k != "argv") for u in found]
+        named = [dict((k, v) for k, v in u.items() if k != "argv") for u in found]
+        if not self.stop_found_units:
+            self.unstopped_units = named
+            return []
+        self.found_units = named
         return found
+
+    def _respawn_failure(self, found):
+        """The failure of a respawn: what respawned, and the units found from the node that were not stopped."""
+        words = respawn.respawn_message(found)
+        if self.unstopped_units:
+            words += ("; found from the node and not stopped (stop_found_units is off): %s; stop it, list it "
+                      "(release_gpus_services, release_gpus_supervisor_programs), or set stop_found_units: true"
+                      % ", ".join("%s %s in container %s" % (UNIT_WORDS.get(u["kind"], u["kind"]), u["name"], u["vmid"])
+                                  for u in self.unstopped_units))
+        return words
 
     def stop_units(self, found):
         """Stop each found unit through its container's own manager, stop_concurrency containers at once (each
-        container's units one after another); every outcome is recorded, in the order of found."""
-        by_key = dict(((u["vmid"], u["kind"], u["name"]), u) for u in self.found_units)
+        container's units one after another). Each stop is bounded; the hard stop is held off until every outcome
+        is recorded, in the order of found; a stop not tried for lack of time ends the release after that."""
         per_container = {}
         for entry in found:
             per_container.setdefault(entry["vmid"], []).append(entry)
-
-        def stop_all(entries):
-            out = []
-            for entry in entries:
-                self._check_deadline("the stop of %s %s in container %s" % (entry["kind"], entry["name"], entry["vmid"]))
-                left = self._left()
-                out.append((entry, units.stop(entry, self.stop_timeout if left is None
-                                              else min(self.stop_timeout, max(1.0, left))), self.now()))
-            return out
-
         workers = max(1, min(self.stop_concurrency, len(per_container)))
-        with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
-            outcomes = [done for batch in pool.map(stop_all, list(per_container.values())) for done in batch]
+        with hardstop.held_off():
+            with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+                outcomes = [done for batch in pool.map(self._stop_each, list(per_container.values())) for done in batch]
+            self._record_stops(outcomes)
+        late = [entry for entry, done, dummy in outcomes if done.get("late")]
+        if late:
+            raise ReleaseTimeout("the overall timeout was reached during the stop of %s %s in container %s"
+                                 % (late[0]["kind"], late[0]["name"], late[0]["vmid"]))
+
+    def _stop_each(self, entries):
+        """One container's units, one after another: [(entry, outcome, when)]; none is started once time is up."""
+        out = []
+        for entry in entries:
+            left = self._left()
+            if left is not None and left <= 0:
+                out.append((entry, {"ok": False, "late": True, "text": "not tried: the overall timeout was reached"},
+                            self.now()))
+                continue
+            out.append((entry, units.stop(entry, self.stop_timeout if left is None
+                                          else min(self.stop_timeout, max(1.0, left))), self.now()))
+        return out
+
+    def _record_stops(self, outcomes):
+        by_key = dict(((u["vmid"], u["kind"], u["name"]), u) for u in self.found_units)
         for entry, done, when in sorted(outcomes, key=lambda o: o[2]):
             outcome = ("done: %s" % done["text"]) if done["ok"] else ("failed: %s" % done["text"])
             by_key[(entry["vmid"], entry["kind"], entry["name"])]["outcome"] = outcome
             action = {"time": round(time.time() - (self.now() - when), 3), "elapsed_s": round(when - self.started, 3),
-                      "pid": 0, "name": "%s %s" % (UNIT_WORDS.get(entry["kind"], entry["kind"]),
-                                                   entry["name"]),
+                      "pid": 0, "name": "%s %s" % (UNIT_WORDS.get(entry["kind"], entry["kind"]), entry["name"]),
                       "vmid": entry["vmid"], "signal": "stop", "outcome": outcome}
             self.actions.append(action)
             self.log("gpuops.fleet.gpu_release: stop of %s in container %s: %s" % (action["name"], entry["vmid"], outcome))
@@ -668,7 +700,8 @@ class Releaser(object):
 
     def _restart_containers(self, why, respawning=()):
         """Stop and start each planned container that still holds a targeted GPU, or where a parent respawns its
-        holder (respawning: vmids); sets self.failure when one fails."""
+        holder (respawning: vmids); sets self.failure when one fails. A container whose stop has run is always
+        started again (its start is paired with the stop, hard stop held off)."""
         report = self.snapshot()
         busy = [e for e in self.restart_plan
                 if str(e["vmid"]) in respawning or self._container_holds(report, str(e["vmid"]))]
@@ -676,34 +709,94 @@ class Releaser(object):
             return
         self._set_rung("container_restart")
         for entry in busy:
-            vmid = entry["vmid"]
-            # the lock and HA state again, right before the stop: a backup may have started since the plan
-            refusal = restart.refusal(self.restart_backend, vmid)
-            if refusal:
-                self.failure = "%s; %s" % (why, refusal)
+            self.failure = self._restart_refusal(report, why, entry["vmid"]) or self._restart_one(report, entry["vmid"])
+            if self.failure:
                 return
-            blocked = [(h, t) for h in report.holders if h.get("container") == str(vmid) for t in h["blocked_threads"]]
-            stopped = self.restart_backend.stop(vmid, self.container_timeout)
-            self._record_container(vmid, "container_stop", stopped)
-            if not stopped["ok"]:
-                if blocked:
-                    holder, thread = blocked[0]
-                    self.failure = ("container %s did not stop (%s): pid %d (%s) has thread %d in D state (wchan %s) "
-                                    "holding %s; it is stuck in the driver, and only a driver reload or a node reboot "
-                                    "frees it" % (vmid, stopped["text"], holder["pid"], holder["name"], thread["tid"],
-                                                  thread.get("wchan") or "unknown",
-                                                  gpu_list_words(holder["gpus"] or holder["maps_gpus"])))
-                else:
-                    self.failure = "container %s did not stop: %s" % (vmid, stopped["text"])
-                return
+
+    def _restart_refusal(self, report, why, vmid):
+        """Why container vmid is not stopped, decided before anything changes: locked or HA-managed (read again
+        right before the stop: a backup may have started since the plan), a holder stuck in the driver, too little
+        time left for its stop and its start. None: go on."""
+        refusal = restart.refusal(self.restart_backend, vmid)
+        if refusal:
+            return "%s; %s" % (why, refusal)
+        for holder in report.holders:
+            thread = stuck_in_driver(holder) if holder.get("container") == str(vmid) else None
+            if thread is not None:
+                return ("container %s was not restarted: pid %d (%s) has thread %d in D state in the driver (wchan %s) "
+                        "holding %s; a container stop cannot end it and can hang; the remedy is a GPU reset "
+                        "(gpu_reset: true) or a node reboot" % (vmid, holder["pid"], holder["name"], thread.get("tid", 0),
+                                                                thread.get("wchan") or "unknown",
+                                                                gpu_list_words(holder["gpus"] or holder["maps_gpus"])))
+        return self._no_time_for(self.container_timeout, "stop container %s and start it again" % vmid)
+
+    def _no_time_for(self, reserve_s, what):
+        """A refusal when the time left cannot cover reserve_s (a restore's bound) plus MIN_ACT_S to act; else None."""
+        left = self._left()
+        if left is None or left >= reserve_s + MIN_ACT_S:
+            return None
+        return ("not enough time left to %s: %.1fs left of the timeout, %gs are reserved for the restore; nothing "
+                "was stopped; raise timeout" % (what, max(0.0, left), reserve_s))
+
+    def _restart_one(self, report, vmid):
+        """Stop container vmid, then always start it again (one section the hard stop never cuts); returns the
+        failure text or None. A container that is not running is neither stopped nor started."""
+        if self._running(vmid) is False:
+            return ("container %s is not running (stopped since the plan): it was neither stopped nor started; start it "
+                    "and release again" % vmid)
+        self.reserved_s = self.container_timeout
+        stop = {"ok": None}
+        with hardstop.held_off():
+            self._undo("container", "container %s" % vmid, "stopped", lambda: self._start_container(vmid, stop["ok"]))
+            try:
+                stopped = self.restart_backend.stop(vmid, self._act_bound(self.container_timeout))
+                stop["ok"] = stopped["ok"]
+                self._record_container(vmid, "container_stop", stopped)
+            finally:
+                self.restore_all()
+        if stopped["ok"]:
             self.restarted.append(vmid)
-            started = self.restart_backend.start(vmid, self.container_timeout)
-            self._record_container(vmid, "container_start", started)
-            if not started["ok"]:
-                self.failure = "container %s was stopped (freeing its GPUs) but did not start again: %s" % (
-                    vmid, started["text"])
-                return
-        self.failure = None
+            return self.failure_of_restores()
+        stuck = [(h, t) for h in report.holders if h.get("container") == str(vmid) for t in h["blocked_threads"]]
+        if not stuck:
+            return "container %s did not stop: %s" % (vmid, stopped["text"])
+        holder, thread = stuck[0]
+        return ("container %s did not stop (%s): pid %d (%s) has thread %d in D state (wchan %s) holding %s; it is "
+                "stuck in the kernel, and only a driver reload or a node reboot frees it"
+                % (vmid, stopped["text"], holder["pid"], holder["name"], thread.get("tid", 0),
+                   thread.get("wchan") or "unknown", gpu_list_words(holder["gpus"] or holder["maps_gpus"])))
+
+    def _running(self, vmid):
+        """Whether the backend says vmid runs (True, False), or None when it cannot tell."""
+        running = getattr(self.restart_backend, "running", None)
+        return None if running is None else running(vmid, RESTORE_STEP_S)
+
+    def _start_container(self, vmid, stop_ok):
+        """The container rung's restore: start vmid again; (ok, text), ok when it runs. After a stop that did not
+        end well (failed, timed out, cut short), the container's state is let settle first (SETTLE_S): a stop still
+        under way would stop it after a start that found it running."""
+        if stop_ok is not True:
+            state = self._settled(vmid)
+            if state is True:
+                return True, "not started: it is running (its stop did not end it)"
+        started = self.restart_backend.start(vmid, self.container_timeout)
+        self._record_container(vmid, "container_start", started)
+        if started["ok"]:
+            return True, started["text"]
+        if self._running(vmid) is True:
+            return True, "it is running (%s)" % started["text"]
+        return False, started["text"]
+
+    def _settled(self, vmid):
+        """vmid's running state once two reads SETTLE_POLL_S apart agree (at most SETTLE_S); None: cannot tell."""
+        end, last = self.now() + SETTLE_S, self._running(vmid)
+        while last is not None and self.now() < end:
+            time.sleep(SETTLE_POLL_S)
+            now = self._running(vmid)
+            if now == last:
+                return now
+            last = now
+        return last
 
     def _container_holds(self, report, vmid):
         for gpu in report.gpus:
@@ -783,16 +876,16 @@ class Releaser(object):
         if not clients:
             return
         controls = mps.find_controls(self.proc_root, node_view=self.engine.view == "node")
-        served = {}   # (vmid or None, pid as the daemon sees it) -> (control, server)
+        served = {}   # (vmid key or None, pid as the daemon sees it) -> (control, server)
         for control in controls:
             for server, pids in mps.servers_and_clients(control).items():
                 for pid in pids:
-                    served[(control["vmid"], pid)] = (control, server)
+                    served[(node.vmid_key(control["vmid"]), pid)] = (control, server)
         for record in clients:
             vmid = record.get("container")
-            in_ct = vmid not in (None, node.HOST, node.UNATTRIBUTED)
-            found = served.get((None, record["pid"])) or (served.get((int(vmid), record.get("container_pid")))
-                                                          if in_ct and record.get("container_pid") else None)
+            in_ct = vmid not in (None, node.HOST, node.UNATTRIBUTED) and record.get("container_pid")
+            found = served.get((None, record["pid"])) or (
+                served.get((node.vmid_key(vmid), record["container_pid"])) if in_ct else None)
             if found is None:
                 self._record(record, "terminate_client", "skipped: no MPS control daemon lists it as a client (%d "
                              "daemons found); the ladder alone follows" % len(controls))
@@ -908,96 +1001,146 @@ class Releaser(object):
         self.log("gpuops.fleet.gpu_release: %s %s: %s" % (step, target, outcome["text"]))
         return outcome["ok"]
 
-    def _persistence(self, gpu, mode, smi):
+    def _persistence(self, gpu, mode, smi, bound):
+        """nvidia-smi -pm MODE on gpu, bounded; (ok, text), recorded in reset_steps."""
         target = "GPU %d (%s)" % (gpu["index"], gpu.get("uuid") or "?")
-        if smi is None:
-            return self._step("persistence_%s" % ("on" if mode else "off"), target,
-                              {"ok": False, "text": "nvidia-smi not found"})
-        return self._step("persistence_%s" % ("on" if mode else "off"), target, units.run_on_node(
-            [smi, "-i", gpu.get("pci_bus_id") or str(gpu["index"]), "-pm", str(mode)], 30.0))
+        step = "persistence_%s" % ("on" if mode else "off")
+        outcome = {"ok": False, "text": "nvidia-smi not found"} if smi is None else units.run_on_node(
+            [smi, "-i", gpu.get("pci_bus_id") or str(gpu["index"]), "-pm", str(mode)], bound)
+        return self._step(step, target, outcome), outcome["text"]
 
-    def _restore_after_reset(self, turned_off, smi):
-        """Persistence mode back on where it was turned off, the stopped services started again; a failure is the
-        task's failure, never hidden."""
-        failed = []
-        for gpu in turned_off:
-            if not self._persistence(gpu, 1, smi):
-                failed.append("persistence mode of GPU %d was not restored" % gpu["index"])
-        for service in self.reset_services:
-            if not self._step("start", "%s %s" % (service["kind"], service["name"]),
-                              units.run_on_node(service["start"], self.stop_timeout)):
-                failed.append("%s %s did not start again: %s" % (service["kind"], service["name"], self.reset_steps[-1]["outcome"]))
-        if failed:
-            self.failure = "after the reset: %s" % "; ".join(failed)
+    def _start_service(self, service):
+        """The restore of a stopped daemon: start its service again, bounded; (ok, text)."""
+        outcome = units.run_on_node(service["start"], RESTORE_STEP_S)
+        return self._step("start", "%s %s" % (service["kind"], service["name"]), outcome), outcome["text"]
 
     def _reset(self):
         """nvidia-smi --gpu-reset for each targeted GPU still used; refused while anything holds it. With
         reset_blockers: stop_services, the daemons' services are stopped first and persistence mode is turned off,
-        both restored after."""
+        each stop paired with its restore, and only for GPUs that nothing else blocks."""
         self._set_rung("reset")
         report = self.snapshot()
         smi = self.nvidia_smi or find_nvidia_smi()
-        if not [g for g in report.gpus if not g["free"] and not g.get("error")]:
+        busy = [g for g in report.gpus if not g["free"] and not g.get("error")]
+        if not busy:
             return
-        turned_off = []
-        if self.reset_services or self.reset_persistence:
-            for service in self.reset_services:
-                self._step("stop", "%s %s" % (service["kind"], service["name"]),
-                           units.run_on_node(service["stop"], self.stop_timeout))
-            for gpu in report.gpus:
-                if gpu["index"] in self.reset_persistence and self._persistence(gpu, 0, smi):
-                    turned_off.append(gpu)
-            report = self.snapshot()
-        try:
-            self._reset_each(report, smi)
-        finally:
-            self._restore_after_reset(turned_off, smi)
+        if not (self.reset_services or self.reset_persistence):
+            self._reset_each(report, smi, busy)
+            return
+        resettable = self._resettable(report, busy)
+        turn_off = [g for g in resettable if g["index"] in self.reset_persistence]
+        reserve = RESTORE_STEP_S * (len(self.reset_services) + len(turn_off))
+        refusal = resettable and self._no_time_for(reserve, "stop the node's daemons for the reset")
+        for gpu in resettable if refusal else ():
+            self._record({"pid": 0, "name": "GPU %d" % gpu["index"]}, "reset", "refused: %s" % refusal)
+        if not resettable or refusal:
+            return
+        self.reserved_s = reserve
+        with hardstop.held_off():     # the stops, the reset and the restores: one section the hard stop never cuts
+            try:
+                self._stop_for_reset(turn_off, smi)
+                self._reset_each(self.snapshot(), smi, resettable)
+            finally:
+                self.restore_all()
+        self.failure = self.failure or self.failure_of_restores()
 
-    def _reset_each(self, report, smi):
+    def _resettable(self, report, busy):
+        """The busy GPUs whose reset nothing but the daemons to stop would block (decided before anything is
+        stopped: a holder in D state, a monitor, an NVML-only pid refuse it at once)."""
+        spared = set(service["pid"] for service in self.reset_services)
+        out = []
+        for gpu in busy:
+            refusal = reset_refusal(report, gpu, spared)
+            if refusal:
+                self._record({"pid": 0, "name": "GPU %d" % gpu["index"]}, "reset", refusal + "; nothing was stopped for it")
+            else:
+                out.append(gpu)
+        return out
+
+    def _stop_for_reset(self, turn_off, smi):
+        """Stop the daemons' services and turn persistence mode off, each restore registered before its stop."""
+        for service in self.reset_services:
+            self._undo("service", "%s %s" % (service["kind"], service["name"]), "stopped",
+                       lambda service=service: self._start_service(service))
+            self._step("stop", "%s %s" % (service["kind"], service["name"]),
+                       units.run_on_node(service["stop"], self._act_bound(self.stop_timeout)))
+            hardstop.check()
+        for gpu in turn_off:
+            self._undo("persistence", "GPU %d (%s)" % (gpu["index"], gpu.get("uuid") or "?"), "persistence mode off",
+                       lambda gpu=gpu: self._persistence(gpu, 1, smi, RESTORE_STEP_S))
+            self._persistence(gpu, 0, smi, self._act_bound(RESTORE_STEP_S))
+            hardstop.check()
+
+    def _reset_each(self, report, smi, gpus):
+        """Reset each of gpus (entries of an earlier read) that report still shows used and nothing blocks."""
+        wanted = set(g["index"] for g in gpus)
         for gpu in report.gpus:
-            if gpu["free"] or gpu.get("error"):
+            if gpu["index"] not in wanted or gpu["free"] or gpu.get("error"):
                 continue
             fake = {"pid": 0, "name": "GPU %d" % gpu["index"]}
-            # anything with a context that could be on this GPU blocks its reset
-            blockers = [h for h in report.holders if pinning.may_hold(h, gpu["index"])]
-            blockers += [dict(b, blocked_threads=[{"wchan": "%s (unreadable: blocked)" % (b.get("wchan") or "?")}])
-                         for b in report.unreadable if b["pid"] in gpu.get("blocked", ())]
-            # a real reset fails while any process has the GPU open: NVML clients block it too
-            blockers += [dict(c, blocked_threads=[]) for c in report.clients if gpu["minor"] in c["fd_gpu_minors"]]
-            listed = [p["pid"] for p in gpu.get("nvml_processes", [])]
-            if listed and not blockers:
-                self._record(fake, "reset", "refused: NVML lists pid %s on it (%s)"
-                             % (", ".join(str(p) for p in listed), "a process this node does not show"))
-                continue
-            if blockers:
-                names = ", ".join("pid %d (%s%s)" % (b["pid"], b["name"],
-                                                     ", D state in %s" % b["blocked_threads"][0].get("wchan")
-                                                     if b["blocked_threads"] else "") for b in blockers)
-                self._record(fake, "reset", "refused: %s still holds it" % names)
-                continue
-            if smi is None:
+            refusal = reset_refusal(report, gpu)
+            if refusal:
+                self._record(fake, "reset", refusal)
+            elif smi is None:
                 self._record(fake, "reset", "failed: nvidia-smi not found in PATH or %s" % ", ".join(NVIDIA_SMI_DIRS))
-                continue
-            cmd = [smi, "--gpu-reset", "-i", gpu.get("pci_bus_id") or str(gpu["index"])]
-            self.engine.nvml.shutdown()  # this module's own NVML session has the device open: it would block the reset
-            left = self._left()
-            timeout = max(1.0, min(self.reset_timeout, left if left is not None else self.reset_timeout))
-            env = dict(os.environ, LC_ALL="C")
-            try:
-                returncode, out = helperproc.run_bounded(cmd, timeout, env=env)
-                text = " ".join(out.split())[:300]
-                if returncode == 0:
-                    self.reset_done = True
-                    self._record(fake, "reset", "done: %s" % (text or "nvidia-smi --gpu-reset succeeded"))
-                else:
-                    self._record(fake, "reset", "failed (rc %d): %s" % (returncode, text))
-            except subprocess.TimeoutExpired:
-                self._record(fake, "reset", "failed: nvidia-smi --gpu-reset did not return within %gs (killed, "
-                             "abandoned after %gs if stuck)" % (timeout, helperproc.KILL_WAIT_S))
-            except OSError as exc:
-                self._record(fake, "reset", "failed: %s" % exc)
-            self.engine.start()
-            self._sync_targets(force=True)
+            else:
+                self._record(fake, "reset", self._run_reset(gpu, smi))
+
+    def _run_reset(self, gpu, smi):
+        """nvidia-smi --gpu-reset of gpu, bounded by reset_timeout and the time left before the restore's reserve."""
+        cmd = [smi, "--gpu-reset", "-i", gpu.get("pci_bus_id") or str(gpu["index"])]
+        self.engine.nvml.shutdown()  # this module's own NVML session has the device open: it would block the reset
+        timeout = self._act_bound(self.reset_timeout)
+        try:
+            returncode, out = helperproc.run_bounded(cmd, timeout, env=dict(os.environ, LC_ALL="C"))
+            text = " ".join(out.split())[:300]
+            self.reset_done = self.reset_done or returncode == 0
+            outcome = ("done: %s" % (text or "nvidia-smi --gpu-reset succeeded") if returncode == 0 else
+                       "failed (rc %d): %s" % (returncode, text))
+        except subprocess.TimeoutExpired:
+            outcome = ("failed: nvidia-smi --gpu-reset did not return within %gs (killed, abandoned after %gs if stuck)"
+                       % (timeout, helperproc.KILL_WAIT_S))
+        except OSError as exc:
+            outcome = "failed: %s" % exc
+        self.engine.start()
+        self._sync_targets(force=True)
+        return outcome
+
+    # -- every stop paired with its restore
+    def _undo(self, kind, what, state, restore):
+        """Register the restore of a stop before the stop runs (an interrupted stop is restored too)."""
+        self.undo.append({"kind": kind, "what": what, "state": state, "restore": restore})
+
+    def restore_all(self):
+        """Run every registered restore, newest first, each within its own bound, with the hard stop held off;
+        what cannot be restored goes to left_changed. The time reserved for the restores is free again after."""
+        with hardstop.held_off():
+            while self.undo:
+                entry = self.undo.pop()
+                try:
+                    ok, text = entry["restore"]()
+                except Exception as exc:  # pylint: disable=broad-except
+                    ok, text = False, "%s: %s" % (type(exc).__name__, exc)
+                if not ok:
+                    self.left_changed.append({"kind": entry["kind"], "what": entry["what"], "state": entry["state"],
+                                              "why": text})
+            self.reserved_s = 0.0
+
+    def failure_of_restores(self):
+        """The task's failure when a restore did not complete, naming what is left changed; else None."""
+        if not self.left_changed:
+            return None
+        return "left changed, its restore failed: %s" % "; ".join(
+            "%s %s (%s)" % (e["what"], e["state"], e["why"]) if e["kind"] != "container" else
+            "%s was stopped (freeing its GPUs) but did not start again (%s)" % (e["what"], e["why"])
+            for e in self.left_changed)
+
+    def _act_bound(self, bound):
+        """bound, cut to the time left before the restores' reserve (1 s at the least)."""
+        left = self._left()
+        if left is None:
+            return bound
+        return max(1.0, min(bound, left - self.reserved_s))
 
     @property
     def changed(self):
@@ -1102,6 +1245,51 @@ def remaining_of(report, scope=None):
     return out
 
 
+def container_rows(before, after, vmid, one, own_only):
+    """The GPU rows of container vmid: the targeted GPUs its config passes in usable, or that it holds."""
+    later = dict((g.get("uuid"), g) for g in after.gpus) if after is not None else {}
+    rows = []
+    for gpu in before.gpus:
+        mine = (gpu.get("by_container") or {}).get(vmid, 0)
+        passed = gpu.get("passed_into")
+        if passed is not None and int(vmid) not in passed and not mine and not scope_holders(before, gpu["index"], one):
+            continue
+        now = later.get(gpu.get("uuid"))
+        free = None
+        if after is not None:
+            free = bool(now) and (free_for_scope(after, now, one) if own_only else now["free"])
+        rows.append({"index": gpu["index"], "minor": gpu.get("minor"), "uuid": gpu.get("uuid"), "before_mib": mine,
+                     "after_mib": None if now is None else (now.get("by_container") or {}).get(vmid, 0),
+                     "others_mib": None if now is None else others_mib(now, one), "free": free})
+    return rows
+
+
+def no_rows_verdict(report, vmid):
+    """(verdict, reason) of container vmid with no GPU row. "unknown" (the task fails) when a targeted GPU is passed
+    in but unusable (deny-write, cgroup rules), when the vmid has no config on this node, or when the configs
+    could not be read; "not passed in" when its config, read, gives it none of the targeted GPUs: evidence that
+    nothing of it is on them, so nothing to release there."""
+    blocked = []
+    for gpu in report.gpus:
+        rules = ["%s: %s" % (e.get("source") or "its config", e.get("rule") or "unusable")
+                 for e in gpu.get("passed_unusable") or () if node.vmid_key(e.get("vmid")) == vmid]
+        if rules:
+            blocked.append("GPU %d (minor %s) by %s" % (gpu["index"], gpu.get("minor"), ", ".join(rules)))
+    configs = getattr(report, "conf_vmids", None)
+    targeted = ", ".join(str(g["index"]) for g in report.gpus) or "none"
+    if blocked:
+        return "unknown", ("no GPU of container %s could be described: its config passes %s in, which it cannot open "
+                           "(%s)" % (vmid, "it" if len(blocked) == 1 else "them", "; ".join(blocked)))
+    if configs is None:
+        return "unknown", ("no GPU of container %s could be described, and the node's container configs could not be "
+                           "read; its state is unknown" % vmid)
+    if vmid not in configs:
+        return "unknown", ("container %s has no config on this node (%s/%s.conf): a mistyped vmid, or a container on "
+                           "another node; its state is unknown" % (vmid, node.PVE_LXC_DIR, vmid))
+    return "not passed in", ("its config passes none of the targeted GPUs (%s) in, and it holds none of them: nothing "
+                             "of it to release there" % targeted)
+
+
 def per_container(before, after, releaser, refused=()):
     """On a node with containers in scope: one entry per container, its GPUs (those its config passes in, or
     that it holds) with its MiB before and after, what of it was signalled, whether it changed, its verdict."""
@@ -1109,31 +1297,20 @@ def per_container(before, after, releaser, refused=()):
     if scope is None or not scope.containers:
         return []
     where = dict((h["pid"], h.get("container")) for h in before.holders)
-    later = dict((g.get("uuid"), g) for g in after.gpus) if after is not None else {}
     out = []
     for vmid in sorted(scope.containers, key=int):
         if vmid in refused:
             continue
         one = node.Scope([vmid], proc_root=scope.proc_root)
         pids = set(pid for pid, ct in where.items() if ct == vmid)
-        rows = []
-        for gpu in before.gpus:
-            mine = (gpu.get("by_container") or {}).get(vmid, 0)
-            passed = gpu.get("passed_into")
-            if passed is not None and int(vmid) not in passed and not mine and not scope_holders(before, gpu["index"], one):
-                continue
-            now = later.get(gpu.get("uuid"))
-            free = None
-            if after is not None:
-                free = bool(now) and (free_for_scope(after, now, one) if releaser.own_only else now["free"])
-            rows.append({"index": gpu["index"], "minor": gpu.get("minor"), "uuid": gpu.get("uuid"), "before_mib": mine,
-                         "after_mib": None if now is None else (now.get("by_container") or {}).get(vmid, 0),
-                         "others_mib": None if now is None else others_mib(now, one),
-                         "free": free})
+        rows = container_rows(before, after, vmid, one, releaser.own_only)
         signals = [a for a in releaser.actions if a["pid"] in pids or a.get("vmid") == int(vmid)]
         done = [a for a in signals if a["outcome"] == "sent" or (a.get("vmid") and a["outcome"].startswith("done"))]
         planned = [e["pid"] for e in releaser.plan if e["pid"] in pids]
-        if after is None:
+        verdict, reason = no_rows_verdict(before, vmid) if not rows else (None, "")
+        if verdict:
+            pass                    # empty evidence is unknown, never free (or, by the configs, none of it targeted)
+        elif after is None:
             verdict = "planned" if planned else "nothing to do"
         else:
             verdict = "free" if all(r["free"] for r in rows) else "busy"
@@ -1150,7 +1327,8 @@ def per_container(before, after, releaser, refused=()):
         if verdict == "free" and releaser.own_only and others > releaser.engine.threshold_mib:
             note = share_note(one, others)
         out.append({"vmid": int(vmid), "changed": bool(done) if after is not None else bool(planned),
-                    "verdict": verdict, "note": note, "gpus": rows, "planned": planned, "found_units": units_here,
+                    "verdict": verdict, "reason": reason, "note": note, "gpus": rows, "planned": planned,
+                    "found_units": units_here,
                     "stopped": [u["name"] for u in units_here if u.get("outcome", "").startswith("done")],
                     "actions": [dict((k, a[k]) for k in ("pid", "name", "signal", "outcome", "task") if k in a) for a in signals],
                     "not_signalled": [dict(s) for s in releaser.skipped if s["pid"] in pids]})
@@ -1164,12 +1342,15 @@ def skipped_entries(skipped):
 
 
 def backstop_result(progress):
-    """changed, actions, plan and rung of an interrupted release (the hard stop), from release()'s progress."""
+    """changed, actions, plan, rung, reset steps and what is left changed of an interrupted release (the hard stop,
+    an error), from release()'s progress; a restore still registered runs now, so nothing stays half-done."""
     releaser = (progress or {}).get("releaser")
     if releaser is None:
-        return {"changed": False, "actions": [], "plan": [], "rung_reached": "none"}
+        return {"changed": False, "actions": [], "plan": [], "rung_reached": "none", "left_changed": []}
+    releaser.restore_all()
     return {"changed": releaser.changed, "actions": list(releaser.actions), "plan": list(releaser.plan),
-            "rung_reached": releaser.rung}
+            "rung_reached": releaser.rung, "reset_steps": list(releaser.reset_steps),
+            "left_changed": list(releaser.left_changed)}
 
 
 def collateral_of(engine, releaser, before, measure_after):
@@ -1289,7 +1470,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
               "lock_acquired_at": None,
               "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
               "collateral": [], "jobs": [], "linked": [], "nvml_stale": [], "unknown_gpus": [], "restart_plan": [],
-              "per_container": [], "found_units": [], "reset_blockers": [], "reset_steps": [], "reads": {"fast": 0, "full": 0}, "view": engine.view,
+              "per_container": [], "found_units": [], "reset_blockers": [], "reset_steps": [], "left_changed": [],
+              "reads": {"fast": 0, "full": 0}, "view": engine.view,
               "scope": None if releaser.scope is None else {"containers": sorted(int(c) for c in releaser.scope.containers),
                                                             "host_processes": releaser.scope.host_processes}}
 
@@ -1313,9 +1495,17 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         result["respawned"] = releaser.respawned
         result["per_container"] = sorted(per_container(before, after, releaser, refused) + skipped_entries(skipped)
                                          + refused_entries(refused), key=lambda entry: entry["vmid"])
+        if releaser.left_changed and "left changed" not in msg:
+            failed = True
+            msg += "; %s" % releaser.failure_of_restores()
+        unknown = [e for e in result["per_container"] if e["verdict"] == "unknown"]
+        if unknown:
+            failed = True
+            msg += "; unknown, not free: %s" % "; ".join(e["reason"] for e in unknown)
         result["found_units"] = releaser.found_units
         result["reset_blockers"] = releaser.reset_blockers
         result["reset_steps"] = releaser.reset_steps
+        result["left_changed"] = releaser.left_changed
         result["reads"] = dict(releaser.reads)
         for skip in releaser.skipped:
             result["diagnosis"].append("pid %d (%s) holds a targeted GPU but was not signalled: %s"
@@ -1411,7 +1601,10 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         after = releaser.snapshot()
     finally:
         read_shm(False)
-        locks.release()
+        try:
+            releaser.restore_all()    # a restore still registered (an error, a hard stop) runs before the locks go
+        finally:
+            locks.release()
     if releaser.failure:
         return finish(True, releaser.failure, before, after)
     if releaser.missing:
@@ -1431,4 +1624,4 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                % (", ".join(str(g["index"]) for g in busy),
                   ", ".join(str((g.get("memory") or {}).get("used_mib")) for g in busy),
                   engine.threshold_mib, tried, " | ".join(res["diagnosis"]), refused_words(refused)))
-    return failed, res_msg, res
+    return failed, res_msg + msg, res   # msg: what finish() adds (containers whose state is unknown)

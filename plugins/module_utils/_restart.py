@@ -71,6 +71,12 @@ class PctBackend(object):
     def start(self, vmid, timeout):
         return self._run("start", vmid, timeout)
 
+    def running(self, vmid, timeout):
+        """True when `pct status` says running, False when stopped, None when it cannot tell."""
+        done = self._run("status", vmid, timeout)
+        words = done["text"].split() if done["ok"] else []
+        return {"running": True, "stopped": False}.get(words[1]) if words[:1] == ["status:"] and len(words) > 1 else None
+
 
 class ApiBackend(object):
     """The Proxmox REST API through proxmoxer's https backend."""
@@ -138,6 +144,14 @@ class ApiBackend(object):
 
     def start(self, vmid, timeout):
         return self._task("start", vmid, timeout)
+
+    def running(self, vmid, timeout):
+        """True when the API says running, False when stopped, None when it cannot tell (timeout: the session's)."""
+        try:
+            status = self.api.nodes(self.node_of(vmid)).lxc(vmid).status.current.get().get("status")
+        except Exception:  # pylint: disable=broad-except
+            return None
+        return {"running": True, "stopped": False}.get(status)
 
 
 def api_credentials(params):

@@ -99,7 +99,9 @@ options:
         that does not open makes the GPU not ready (check C(device_access)).
       - From a Proxmox node, read inside each running container a selected GPU is passed into (through
         C(lxc-attach), with the container's C(python3)), since access is each container's own (its device cgroup
-        and C(/dev)); such an entry names its C(vmid).
+        and C(/dev)); such an entry names its C(vmid). A container whose config passes a selected GPU in but
+        cannot open it (C(deny-write), or raw cgroup rules without rw; see RV(gpus[].passed_unusable)) gets one
+        entry for that GPU from its config, naming the rule that blocks it, whether it runs or not.
     type: bool
     default: true
 seealso:
@@ -200,7 +202,8 @@ gpus:
         - One entry per failed check, each with C(check), C(reason) and C(remedy). C(free) (used memory above
           O(threshold_mib), with C(used_mib)), C(capacity) (with C(need_mib) and C(free_mib)), C(nvml) (the GPU
           cannot be read), C(retired_pages), C(row_remap), C(ecc_mode) and C(recovery_action) (with the NVML
-          C(call)), C(device_access) (from a node, with the C(vmid) it was read in).
+          C(call)), C(device_access) (from a node, with the C(vmid) it was read in, or whose config passes the GPU
+          in unusable, RV(gpus[].passed_unusable)).
       type: list
       elements: dict
       returned: success
@@ -239,6 +242,19 @@ gpus:
       elements: int
       returned: on a node or host
       sample: [101, 102]
+    passed_unusable:
+      description:
+        - "On a Proxmox node, the containers whose config passes this GPU in but that cannot open it read-write, read
+          as RV(gpus[].passed_into) is, each with its C(vmid), the config key that passes it in (C(source): C(devN) or
+          C(lxc.mount.entry)), the node's C(device), and the C(rule) that blocks it (C(deny-write), or the raw cgroup
+          rule that leaves it without rw, as the config writes it: C(lxc.cgroup2.devices.deny: c 195:1 rwm)); null
+          where the configs cannot be read."
+        - With O(device_access), each is a C(device_access) entry of RV(gpus[].not_ready) with its C(vmid); the GPU
+          is not ready, even idle.
+      type: list
+      elements: dict
+      returned: on a node or host
+      sample: [{"vmid": 101, "source": "dev1", "device": "/dev/nvidia1", "rule": "deny-write"}]
     index:
       description: NVML index (as numbered where the module runs).
       type: int
@@ -691,14 +707,24 @@ def add_readiness(module, engine, report, result):
             except NvmlFailure as exc:
                 health_entries = [ready.nvml_failure(exc.message, exc.kind)]
         access_entries = ready.access(access_reading, gpu.get("minor")) if access_reading is not None else []
-        for vmid in sorted(set(gpu.get("passed_into") or []) & set(node_access)):
-            reading, why = node_access[vmid]
-            found = ready.access(reading, gpu.get("minor")) if reading is not None else [ready.access_unread(why)]
-            access_entries += [dict(entry, vmid=vmid, reason="container %s: %s" % (vmid, entry["reason"])) for entry in found]
+        if params["device_access"] and engine.view == "node":
+            access_entries += node_access_entries(gpu, node_access)
         gpu["ready"], gpu["not_ready"] = ready.gpu_verdict(gpu, engine.threshold_mib, health_entries, access_entries,
                                                            params["need_mib"], params["need_fraction"])
     residue = bool(result.get("shm_residue")) or any((result.get("shm_residue_by_container") or {}).values())
     result["ready"] = bool(result["gpus"]) and all(g["ready"] for g in result["gpus"]) and not residue
+
+
+def node_access_entries(gpu, node_access):
+    """From a node: one GPU's device-access entries, by container: a config that passes it in but that the container
+    cannot open (passed_unusable: the rule that blocks it), else what was read inside the container (node_access)."""
+    blocked = gpu.get("passed_unusable") or []
+    out = [ready.unusable(entry, gpu["index"], gpu.get("minor")) for entry in blocked]
+    for vmid in sorted(set(gpu.get("passed_into") or []) & set(node_access) - set(e["vmid"] for e in blocked)):
+        reading, why = node_access[vmid]
+        found = ready.access(reading, gpu.get("minor")) if reading is not None else [ready.access_unread(why)]
+        out += [dict(entry, vmid=vmid, reason="container %s: %s" % (vmid, entry["reason"])) for entry in found]
+    return sorted(out, key=lambda entry: entry["vmid"])
 
 
 def container_access(engine, scan, gpus):

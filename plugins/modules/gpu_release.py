@@ -201,7 +201,11 @@ options:
         type: int
         default: 640
       container_timeout:
-        description: Seconds the stop, and then the start, of a container may take each. More than 0.
+        description:
+          - Seconds the stop, and then the start, of a container may take each. More than 0.
+          - The start's time is reserved from O(advanced.timeout) before the stop begins; the stop gets what is left
+            beside it, and with less than that plus 2 s left the container is not stopped. Once its stop has run, the
+            start always runs, even when the module's hard stop lands meanwhile (held off until the start ends).
         type: float
         default: 60
       lock_timeout:
@@ -238,6 +242,14 @@ options:
             and turns persistence mode off (C(nvidia-smi -pm 0)), once the ladder leaves a GPU to reset; after the reset
             it restores persistence mode and starts the daemons again, each step in RV(reset_steps); a restart that fails
             fails the task. A monitor, a daemon under no service manager, C(nvidia_drm) in use and MIG mode still refuse.
+          - Each stop is paired with its restore, which always runs. 20 s per restore step (a daemon started, persistence
+            turned back on) are reserved from O(advanced.timeout) before the first stop; the stops and the reset get
+            what is left beside them, and with less than that plus 2 s left nothing is stopped. The module's hard stop
+            never interrupts a restore (it is held off until the restore ends), so a restore may run past
+            O(advanced.timeout) by at most its own bound. What cannot be restored is in RV(left_changed), and fails the
+            task.
+          - Nothing is stopped for a GPU whose reset is already known to be refused (a holder in D state, a monitor, a
+            pid NVML lists that the node does not show).
         type: str
         choices: [refuse, stop_services]
         default: refuse
@@ -696,7 +708,11 @@ per_container:
       while others hold more than O(advanced.threshold_mib) there, else empty.
     - C(changed) is true when something of it was signalled, stopped or restarted (in check mode, when something of it
       is planned). C(verdict) is C(free), C(busy), C(planned) or C(nothing to do) (check mode), or, with C(reason),
-      C(skipped) for a locked container or C(refused) for one left out by a refusal (see O(containers)).
+      C(skipped) for a locked container or C(refused) for one left out by a refusal (see O(containers)). A container
+      with no GPU row is C(not passed in) when its config, read, passes none of the targeted GPUs in (and it holds
+      none of them), else C(unknown) (a targeted GPU passed in but unusable by C(deny-write) or a cgroup rule, named
+      in C(reason); no config for the vmid on this node; the configs unreadable). Empty is unknown, never free;
+      C(unknown) fails the task.
     - C(planned) lists its pids in RV(plan); C(actions) the signals, stops and restarts that concern it (a restart
       with its C(task), the Proxmox task id or the pct command);
       C(not_signalled) its holders left alone; C(found_units) its part of RV(found_units) and C(stopped) the names
@@ -760,6 +776,16 @@ reset_steps:
   type: list
   elements: dict
   sample: [{"step": "stop", "target": "systemd nvidia-persistenced.service", "ok": true, "outcome": "done"}]
+left_changed:
+  description:
+    - What a stop changed that its restore could not put back, each with C(kind) (C(service), C(persistence),
+      C(container)), C(what), C(state) (as it was left) and C(why) (the restore's outcome). Not empty fails the task.
+    - Also returned when the module's hard stop or an error ends the task (every registered restore runs first).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"kind": "service", "what": "systemd nvidia-persistenced.service", "state": "stopped",
+            "why": "exit 1: Job for nvidia-persistenced.service failed"}]
 found_units:
   description:
     - With O(advanced.stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd),
@@ -797,6 +823,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
     GPU_COMMON_ARGS, GPU_READ_ARGS, check_common_params, check_libraries, check_numbers, check_shm_prefixes, engine_from_params,
     no_gpu_message,
 )
+from ansible_collections.gpuops.fleet.plugins.module_utils import _hardstop as hardstop
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import view_of
@@ -812,7 +839,14 @@ BACKSTOP_S = 5.0  # the hard alarm fires this long after `timeout`, should a wai
 
 
 def _backstop(signum, frame):
-    raise ReleaseTimeout("the overall timeout was reached (hard stop)")
+    """The hard stop: ReleaseTimeout, held off while a restore runs (_hardstop)."""
+    hardstop.on_alarm(signum, frame)
+
+
+def _left_changed_words(kept):
+    left = kept.get("left_changed") or []
+    return "" if not left else "; left changed, its restore failed: %s" % "; ".join(
+        "%s %s (%s)" % (e["what"], e["state"], e["why"]) for e in left)
 
 
 def check_scope(module, params):
@@ -986,13 +1020,15 @@ def main():
                                       deadline=deadline, progress=progress)
     except ReleaseTimeout as exc:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        module.fail_json(msg="%s (timeout %ss); the state is unknown, run gpuops.fleet.gpu_info"
-                         % (exc, params["timeout"]), elapsed_s=round(time.monotonic() - started, 3),
-                         **backstop_result(progress))
+        kept = backstop_result(progress)   # runs any restore still registered first
+        module.fail_json(msg="%s (timeout %ss); the state is unknown, run gpuops.fleet.gpu_info%s"
+                         % (exc, params["timeout"], _left_changed_words(kept)),
+                         elapsed_s=round(time.monotonic() - started, 3), **kept)
     except Exception as exc:
         signal.setitimer(signal.ITIMER_REAL, 0)
-        module.fail_json(msg="gpu_release failed: %s" % exc, exception=traceback.format_exc(),
-                         **backstop_result(progress))
+        trace = traceback.format_exc()
+        kept = backstop_result(progress)
+        module.fail_json(msg="gpu_release failed: %s%s" % (exc, _left_changed_words(kept)), exception=trace, **kept)
     signal.setitimer(signal.ITIMER_REAL, 0)
     nvml.shutdown()
     if skipped:

@@ -16,6 +16,7 @@ import yaml
 
 from _enginelab import REPO, VENV_BIN, EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab, wait_until
+from lablib.common import state_dir
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import lock_name
 
@@ -345,6 +346,21 @@ def test_one_node_task_stops_each_containers_program_and_reports_each_container(
     assert [c["changed"] for c in again["per_container"]] == [False, False, False]
 
 
+def test_without_stop_found_units_a_respawn_fails_naming_the_program_found_from_the_node(clean):
+    """Issue 40: stop_found_units is off by default (a unit can host more than its program): the supervisord program
+    that respawns 101's holder is not stopped; the task fails on the respawn, naming that program and what to do."""
+    program = clean.run("respawn", 101, [0], mib=600)
+    play = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101]))
+    assert play.failed and play["found_units"] == [] and "respawned by pid" in play["msg"], play
+    named = re.search(r"found from the node and not stopped \(stop_found_units is off\): supervisord program "
+                      r"(\S+) in container 101; stop it, list it \(release_gpus_services, release_gpus_supervisor_programs\)",
+                      play["msg"])
+    assert named and named.group(1).endswith(":" + program["supervisor_program"]), play["msg"]
+    status = clean.exec(101, "supervisorctl", "status", program["supervisor_program"])
+    assert "STOPPED" not in status.stdout, status.stdout   # never stopped by us
+    clean.exec(101, "supervisorctl", "stop", program["supervisor_program"])
+
+
 def test_auto_releases_inside_then_from_the_node_when_another_containers_memory_is_left(clean):
     """The container path's node fallback (release_gpus_from: auto with a GPU list, which the node path does not
     take): 101's holder is released inside 101; GPU 0 still holds 102's memory, which 101 cannot see, so the role
@@ -563,3 +579,88 @@ def test_device_access_is_read_inside_each_container_from_the_node(clean):
     assert [(e["vmid"], e["reason"]) for e in access[1]] == [
         (101, "container 101: /dev/nvidia1 does not open: Read-only file system (EROFS)")], access
     assert play["ready"] is False
+
+
+DENIED = ("container 101: GPU 1 (/dev/nvidia1, passed in by dev1) cannot be opened read-write, blocked by deny-write")
+DENIED_REMEDY = ("pass it in read-write: remove deny-write from dev1 in /etc/pve/lxc/101.conf, then restart the "
+                 "container (pct reboot 101)")
+
+
+def _deny_write(lab, vmid, minor):
+    """Add deny-write to the devN line that passes /dev/nvidiaMINOR into the container, in the node's
+    /etc/pve/lxc/VMID.conf (as pct set would; the running container keeps its binding). Returns undo()."""
+    path = os.path.join(state_dir(lab.lab_id), "nodes", "pve1", "lxc", "%s.conf" % vmid)
+    with open(path) as f:
+        original = f.read()
+    text, count = re.subn(r"^(dev\d+: /dev/nvidia%d)$" % minor, r"\1,deny-write", original, flags=re.M)
+    assert count == 1, original
+
+    def write(content):
+        with open(path + ".tmp", "w") as f:
+            f.write(content)
+        os.replace(path + ".tmp", path)     # the folder is what the node's /etc/pve/lxc shows: a rename keeps it live
+    write(text)
+    return lambda: write(original)
+
+
+def test_a_gpu_passed_in_deny_write_is_not_ready_for_its_container_from_the_node(clean):
+    """Issue 40 (P2): ct101's config passes GPU 1 in with deny-write (the container cannot open it) and GPU 1 is idle:
+    from the node, GPU 1 is not ready with a device_access entry of container 101 naming the rule, and so is the
+    whole read. It was ready: 101 was left out of passed_into, so nothing was checked for it."""
+    undo = _deny_write(clean, 101, 1)
+    try:
+        play = clean.direct("pve1", "gpu_info", {"cmdline": False})
+    finally:
+        undo()
+    assert play["view"] == "node" and not play.failed, play
+    gpu1 = node_gpu(play, 1)
+    assert gpu1["passed_into"] == [] and gpu1["passed_unusable"] == [
+        {"vmid": 101, "source": "dev1", "device": "/dev/nvidia1", "rule": "deny-write"}], gpu1
+    assert gpu1["free"] and gpu1["ready"] is False and [(e["check"], e["vmid"], e["reason"], e["remedy"])
+                                                        for e in gpu1["not_ready"]] == [
+        ("device_access", 101, DENIED, DENIED_REMEDY)], gpu1["not_ready"]
+    assert node_gpu(play, 0)["ready"] and node_gpu(play, 2)["ready"] and play["ready"] is False
+
+
+def test_predeploy_check_fails_naming_a_gpu_its_container_cannot_open(clean):
+    """Issue 40 (P2): the same deny-write, through predeploy_check.yml from the node (release_gpus_from auto, the
+    default): ct101 gets GPU 1 (its config passes it in, unusable), which fails the check with one FAULT line naming
+    the container, the GPU and the rule; exit 2. It said OK: ct101 was given GPU 0 alone."""
+    undo = _deny_write(clean, 101, 1)
+    try:
+        proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", clean.inventory,
+                               os.path.join(REPO, "playbooks", "predeploy_check.yml"), "-e", "predeploy_hosts=ct101"],
+                              cwd=REPO, env=clean.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              universal_newlines=True, timeout=300, check=False)
+    finally:
+        undo()
+    lines = re.findall(r'^ *"(PREDEPLOY [^"]*)', proc.stdout, re.M)
+    assert proc.returncode == 2 and len(lines) == 2, proc.stdout
+    assert lines[0] == "PREDEPLOY FAIL: GPUs at fault: 1", lines
+    assert re.match(r"PREDEPLOY FAULT ct101: GPU 1 \(GPU-[^)]+\): not ready, device_access: %s; remedy: %s$"
+                    % (re.escape(DENIED), re.escape(DENIED_REMEDY)), lines[1]), lines
+
+
+def _nspid(host_pid):
+    """NSpid of a host pid: (host, node, container) for a container's process."""
+    with open("/proc/%d/status" % host_pid) as f:
+        return [int(p) for p in re.search(r"^NSpid:\s*(.*)$", f.read(), re.M).group(1).split()]
+
+
+def test_mps_client_in_a_container_gets_terminate_client_from_the_node(clean):
+    """Issue 40 (M1): an MPS control daemon in ct101, its server on GPU 0 and clients on GPUs 0 and 1. Released from
+    the node (containers: [101], GPU 1), GPU 1's client is found through the daemon in its container, with the
+    container's pids, and gets terminate_client before SIGTERM; the server, the daemon and GPU 0's client live."""
+    run = clean.run("mps", 101, [0, 1], mib=700)
+    roles, ct = run["roles"], run["container_roles"]
+    on_node = dict((role, _nspid(pid)[1]) for role, pid in roles.items())    # the node's pids (its own namespace)
+    play = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101]))
+    assert not play.failed, play
+    assert clean.used(1) == 0 and clean.used(0) == 766
+    steps = [(a["signal"], a["pid"]) for a in play["actions"]]
+    assert steps[:2] == [("terminate_client", on_node["client1"]), ("SIGTERM", on_node["client1"])], play["actions"]
+    assert play["actions"][0]["outcome"] == ("done: server %d, control daemon pid %d (in container 101, pids as seen "
+                                             "there): 0" % (ct["server"], on_node["control"])), play["actions"]
+    assert all(host_alive(roles[r]) for r in ("control", "server", "client0")) and not host_alive(roles["client1"])
+    log = clean.exec(101, "cat", run["mps_pipe"] + "/control.log").stdout.split("\n")
+    assert "Cmd:terminate_client %d %d" % (ct["server"], ct["client1"]) in log and "Cmd:quit" not in log

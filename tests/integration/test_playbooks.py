@@ -540,7 +540,7 @@ SHM_LEAK = ("import os, time\n"
 def test_predeploy_check_fails_on_shared_memory_residue_read_inside_or_from_the_node(clean, route):
     """Issue 21: a leaked SGLang segment in ct202's /dev/shm fails the check on free GPUs, read in the container or
     from its node; predeploy_shm_residue=false leaves it out (one route: the playbook drops the residue either read
-    returns); with predeploy_release the role's clean_shm removes it and the check passes. Checked on ct201 (clean)
+    returns); with predeploy_release and clean_shm the role removes it and the check passes. Checked on ct201 (clean)
     and ct202, the release on ct202 alone: the other containers add time, not cases."""
     lab = clean
     hosts = {"release_gpus_from": route, "predeploy_hosts": "ct201,ct202"}
@@ -555,8 +555,9 @@ def test_predeploy_check_fails_on_shared_memory_residue_read_inside_or_from_the_
         if route == "container":    # the playbook drops the residue it was given, whichever route read it
             quiet = lab.playbook("predeploy_check.yml", dict(hosts, predeploy_shm_residue=False))
             assert quiet.rc == 0, quiet
-        # the release first (predeploy_release): the role's clean_shm removes the leak, and the check passes
-        released = lab.playbook("predeploy_check.yml", dict(hosts, predeploy_release=True, predeploy_hosts="ct202"))
+        # the release first (predeploy_release) with clean_shm (off by default since issue 40): it removes the leak
+        released = lab.playbook("predeploy_check.yml", dict(hosts, predeploy_release=True, predeploy_hosts="ct202",
+                                                            release_gpus_advanced={"clean_shm": True}))
         assert released.rc == 0, predeploy_lines(released.output)
         assert lab.exec(202, "test", "-e", "/dev/shm/sgl_shm_leak").returncode == 1
     finally:

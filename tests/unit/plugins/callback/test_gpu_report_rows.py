@@ -166,3 +166,21 @@ def test_a_delegated_node_release_for_several_containers_adds_rows_only_through_
     direct = gpu_report.HostReport("pve1")
     gpu_report.ingest(direct, "gpuops.fleet.gpu_release", node_result)       # run on the node itself: its rows
     assert [(r["before_mib"], r["after_mib"]) for r in direct.rows("pve1", None)] == [(900, 0)]
+
+
+def test_what_a_release_left_changed_fails_its_rows_and_is_named():
+    """Issue 40: a restore that could not complete (left_changed) is in the report, on a normal end and on the
+    module's hard stop, whose result has no readings."""
+    left = [{"kind": "service", "what": "systemd nvidia-persistenced.service", "state": "stopped", "why": "exit 1: no"}]
+    release = {"host": "ct101", "action": "gpuops.fleet.gpu_release", "result": {
+        "before": [{"index": 0, "uuid": GPU0, "used_mib": 0, "free": True}],
+        "after": [{"index": 0, "uuid": GPU0, "used_mib": 0, "free": True}], "actions": [], "plan": [],
+        "left_changed": left}}
+    rows = rows_of([release])
+    assert [(r["verdict"], r["actions"]) for r in rows] == [
+        ("failed", ["LEFT CHANGED: systemd nvidia-persistenced.service stopped (exit 1: no)"])], rows
+    hard_stop = {"host": "ct101", "action": "gpuops.fleet.gpu_release", "status": "failed",
+                 "result": {"msg": "the overall timeout was reached (hard stop)", "actions": [], "left_changed": left}}
+    rows = rows_of([hard_stop])
+    assert [(r["verdict"], r["actions"]) for r in rows] == [
+        ("failed", ["LEFT CHANGED: systemd nvidia-persistenced.service stopped (exit 1: no)"])], rows

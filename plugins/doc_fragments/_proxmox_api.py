@@ -31,6 +31,9 @@ options:
     description:
       - The user's password, when no API token is given.
       - If the value is not specified in the task, the value of environment variable C(PROXMOX_PASSWORD) is used.
+      - Give it in the task, from a vaulted variable or from the controller's C(PROXMOX_PASSWORD) read with the
+        C(ansible.builtin.env) lookup; never through the task's C(environment) keyword, which shows it on the EXEC
+        lines of C(-vvv) and in C(ps) on the controller and the node.
     type: str
   api_token_id:
     description:
@@ -41,6 +44,9 @@ options:
     description:
       - The API token's secret.
       - If the value is not specified in the task, the value of environment variable C(PROXMOX_TOKEN_SECRET) is used.
+      - Give it in the task, from a vaulted variable or from the controller's C(PROXMOX_TOKEN_SECRET) read with the
+        C(ansible.builtin.env) lookup; never through the task's C(environment) keyword, which shows it on the EXEC
+        lines of C(-vvv) and in C(ps) on the controller and the node.
     type: str
   validate_certs:
     description:

@@ -464,16 +464,17 @@ EXAMPLES = r"""
     ca_path: /etc/pve/pve-root-ca.pem
   delegate_to: pve1
 
-- name: The same, with the credentials in the node's PROXMOX_* environment (as community.proxmox reads them)
+# Never pass the secret through the task's environment: (it shows on -vvv's EXEC lines and in ps on the
+# controller and the node); give it as an option, as the role does from the controller's PROXMOX_* variables.
+- name: The same, with the credentials from the controller's PROXMOX_* environment (as the role reads them)
   gpuops.fleet.gpu_release:
     gpus: [GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10]
     containers: [101]
     container_restart: true
-  environment:
-    PROXMOX_HOST: pve1.example.com
-    PROXMOX_USER: gpuops@pve
-    PROXMOX_TOKEN_ID: release
-    PROXMOX_TOKEN_SECRET: "{{ vault_pve_token }}"
+    api_host: pve1.example.com
+    api_user: gpuops@pve
+    api_token_id: "{{ lookup('ansible.builtin.env', 'PROXMOX_TOKEN_ID') }}"
+    api_token_secret: "{{ lookup('ansible.builtin.env', 'PROXMOX_TOKEN_SECRET') }}"
   delegate_to: pve1
 
 - name: Reset a GPU whose memory leaked (only from the node; refused while anything has it open)

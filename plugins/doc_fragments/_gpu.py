@@ -78,9 +78,16 @@ options:
         defaults.
       - A pattern with exactly one group masks only the group (the whole match when that group did not take part);
         otherwise the whole match is masked.
-      - The defaults mask the values of C(--api-key X), C(--token X), C(--hf-token X), C(--password X), C(--passwd X),
-        C(--pass X), C(--secret X) (also with C(=)), of C(token=), C(*_TOKEN=) (C(HF_TOKEN=)), C(password=), C(secret=),
-        the password of C(scheme://user:password@host), and the credential of an C(Authorization) header (C(Bearer X), C(Basic X)).
+      - The defaults mask the value of an option whose name says secret (C(--api-key X), C(--token X), C(--hf-token=X),
+        C(--token:X), C(--password X), C(--pass X), C(--db-pass X), C(--passphrase X), C(--private-key X), C(--jwt X),
+        C(--secret X), any C(--WORD-key X) such as C(--openai-key) or C(--wandb-key) but not C(--input-key),
+        C(--sort-key) or C(--public-key)), the same names as C(NAME=X) (C(HF_TOKEN=X), C(MYSQL_PWD=X)), as JSON or Python
+        keys (C({"api_key":"X"})) and as HTTP headers (C(X-Api-Key), C(X-Auth-Token), C(Authorization), C(Cookie)), a glued C(-pX) unless X
+        is a port (C(-p8080)), C(sshpass -p X), C(redis-cli -a X), C(curl -u user:X) and the password of
+        C(scheme://user:password@host).
+      - Not masked, on purpose, a name that goes on (C(--password-file), C(--key-file), C(--max-tokens)), C(--key)
+        alone (a key file), a separate C(-p X) of other programs (a port far more often; mysql's C(-p X) prompts and
+        X is the database), and C(-u uid:gid) of programs other than curl.
     type: list
     elements: str
     default: []

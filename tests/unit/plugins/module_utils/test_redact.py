@@ -49,3 +49,67 @@ def test_user_pattern_with_an_optional_group_never_crashes():
 def test_bad_user_pattern_names_it():
     with pytest.raises(ValueError, match=r"redact pattern '\(unclosed' does not compile"):
         compile_patterns(["(unclosed"])
+
+
+# Issue 41, attack 7: what a hostile or careless command line shows. Each row: argv, the secret that must not survive.
+SECRETS = [
+    (["mysql", "-uroot", "-pS3cretPw", "db"], "S3cretPw"),
+    (["mysqldump", "-p123456", "db"], "123456"),                 # digits too, after a mysql-like program
+    (["sh", "-c", "mariadb -u app -pS3cretPw db"], "S3cretPw"),
+    (["python3", "dump.py", "-pS3cretPw"], "S3cretPw"),          # a glued -p of any program, unless a port
+    (["sshpass", "-p", "S3cretPw", "ssh", "host"], "S3cretPw"),
+    (["sshpass", "-p4242", "ssh", "host"], "4242"),
+    (["redis-cli", "-a", "S3cretPw", "ping"], "S3cretPw"),
+    (["python3", "etl.py", "--db-pass", "S3cretPw"], "S3cretPw"),
+    (["python3", "etl.py", "--db_pass=S3cretPw"], "S3cretPw"),
+    (["gpg", "--passphrase", "S3cretPw"], "S3cretPw"),
+    (["sh", "-c", "gpg --batch --passphrase S3cretPw -d x"], "S3cretPw"),
+    (["python3", "x.py", "--private-key", "S3cretPw"], "S3cretPw"),
+    (["python3", "x.py", "--openai-key=sk-S3cretPw"], "sk-S3cretPw"),
+    (["python3", "x.py", "--openai-key", "sk-S3cretPw"], "sk-S3cretPw"),
+    (["python3", "x.py", "--token:S3cretPw"], "S3cretPw"),
+    (["python3", "x.py", '{"api_key": "S3cret Pw"}'], "S3cret Pw"),
+    (["python3", "-c", "run({'password': 'S3cretPw'})"], "S3cretPw"),
+    (["python3", "x.py", '--cfg={"hf_token":"S3cretPw","n":1}'], "S3cretPw"),
+    (["curl", "-u", "admin:S3cretPw", "https://h/"], "S3cretPw"),
+    (["curl", "-uadmin:S3cretPw", "https://h/"], "S3cretPw"),
+    (["curl", "--user=admin:S3cretPw", "https://h/"], "S3cretPw"),
+    (["sh", "-c", "curl -u admin:S3cretPw https://h/"], "S3cretPw"),
+    (["curl", "-H", "X-Api-Key: S3cretPw", "https://h/"], "S3cretPw"),
+    (["curl", "-H", "X-Auth-Token:S3cretPw", "https://h/"], "S3cretPw"),
+    (["curl", "-H", "Cookie: PVEAuthCookie=S3cretPw", "https://h/"], "S3cretPw"),
+    (["python3", "x.py", "--jwt", "eyJS3cretPw"], "eyJS3cretPw"),
+    (["python3", "train.py", "--wandb-key", "S3cretPw"], "S3cretPw"),
+    (["env", "MYSQL_PWD=S3cretPw", "DB_PASS=S3cretPw2", "x"], "S3cretPw"),
+    (["go-server", "-password", "S3cretPw"], "S3cretPw"),
+]
+
+
+@pytest.mark.parametrize("argv, secret", SECRETS, ids=[" ".join(a)[:40] for a, s in SECRETS])
+def test_each_secret_is_masked(argv, secret):
+    line = redact_argv(argv)
+    assert secret not in line and MASK in line, line
+
+
+# Look-alikes that are not secrets: they stay as they are.
+NOT_SECRETS = [
+    ["python3", "serve.py", "-p", "8080"],                       # a separate -p is a port far more often
+    ["mysql", "-p", "mydb"],                                     # mysql: -p alone prompts, mydb is the database
+    ["python3", "serve.py", "-p8080"],                           # a glued -p with a port
+    ["docker-proxy", "-p8080:80/tcp"],
+    ["vllm", "--port", "8000", "--max-tokens", "100", "--max-tokens:100"],
+    ["python3", "--bypass-cache", "yes", "--bypass", "1", "--passes", "3"],
+    ["vllm", "--tokenizer", "llama", "--password-file", "/etc/pw", "--key-file", "/etc/k"],
+    ["train.py", "--input-key", "prompt", "--label_key", "answer", "--sort-key", "len", "--public-key", "/k.pub"],
+    ["python3", "-u", "train.py", "--jwt-algorithm", "HS256"],
+    ["docker", "run", "-u", "1000:1000", "img"],                 # -u user:pass only after curl
+    ["curl", "-H", "Content-Type: application/json", "-H", "X-Request-Id: 7", "https://h/"],
+    ["python3", "x.py", '{"max_tokens": 100, "tokenizer": "llama"}'],
+    ["ffmpeg", "-hwaccel", "cuda", "-pix_fmt", "yuv420p", "-preset", "p4"],   # (its `-pass 1` is masked: a pass flag)
+    ["env", "PWD=/home/u", "TOKENIZERS_PARALLELISM=false", "x"],
+]
+
+
+@pytest.mark.parametrize("argv", NOT_SECRETS, ids=[" ".join(a)[:40] for a in NOT_SECRETS])
+def test_look_alikes_are_not_masked(argv):
+    assert redact_argv(argv) == " ".join(argv)

@@ -5,17 +5,18 @@
 from __future__ import annotations
 
 import os
-import tempfile
 
 from ansible.errors import AnsibleActionFail
 from ansible.module_utils.common.text.converters import to_bytes, to_native
 from ansible.plugins.action import ActionBase
 from ansible.plugins.filter.core import to_nice_json
 
+from ansible_collections.gpuops.fleet.plugins.plugin_utils._safe_file import holds, replace_file
+
 ARGUMENT_SPEC = {
     "path": {"type": "path", "required": True},
     "content": {"type": "raw", "required": True},
-    "mode": {"type": "str", "default": "0644"},
+    "mode": {"type": "str", "default": "0600"},
 }
 
 
@@ -24,29 +25,6 @@ def file_mode(text):
     if not isinstance(text, str) or not 1 <= len(text) <= 4 or any(c not in "01234567" for c in text):
         raise AnsibleActionFail("mode must be an octal string such as '0644', got %r" % (text,))
     return int(text, 8)
-
-
-def read_bytes(path):
-    try:
-        with open(path, "rb") as handle:
-            return handle.read()
-    except FileNotFoundError:
-        return None
-
-
-def replace_file(path, data, mode):
-    """Write data beside path, then rename it over path: a reader sees the old file or the new one."""
-    folder = os.path.dirname(path) or "."
-    fd, temp = tempfile.mkstemp(dir=folder, prefix=".%s." % os.path.basename(path))
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.chmod(temp, mode)
-        os.replace(temp, path)
-    except BaseException:
-        if os.path.exists(temp):
-            os.unlink(temp)
-        raise
 
 
 class ActionModule(ActionBase):
@@ -62,11 +40,7 @@ class ActionModule(ActionBase):
         if not os.path.isdir(os.path.dirname(path)):
             raise AnsibleActionFail("path's folder does not exist on the controller: %s" % os.path.dirname(path))
         data = to_bytes(to_nice_json(args["content"]) + "\n")
-        try:
-            old_mode = os.stat(path).st_mode & 0o7777
-        except FileNotFoundError:
-            old_mode = None
-        changed = old_mode != mode or read_bytes(path) != data
+        changed = not holds(path, mode, data)   # a symlink at path is a change: it is replaced, never followed
         result.update(changed=changed, path=path)
         if changed and not self._task.check_mode:
             try:

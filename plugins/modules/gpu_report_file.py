@@ -14,7 +14,8 @@ description:
     C(release_gpus_report_dir) is set.
   - An action plugin that runs in the controller's worker; no module is started on the controller or on the target,
     where M(ansible.builtin.copy) delegated to C(localhost) starts two (C(stat) and C(copy)) for each host.
-  - The file is replaced at once (written beside it, then renamed), so a reader never sees half a report.
+  - The file is replaced at once (written beside it, then renamed), so a reader never sees half a report. The file
+    beside it is new (created with C(O_EXCL|O_NOFOLLOW)), and a symlink at O(path) is replaced, never followed.
     Unchanged content leaves the file as it is and reports no change.
 author: gpuops (@gpuops)
 extends_documentation_fragment:
@@ -56,9 +57,10 @@ options:
     required: true
   mode:
     description:
-      - The file's permissions, as an octal string.
+      - The file's permissions, as an octal string. The file is created with them (never wider for a moment).
+      - The default keeps the report to the controller's user: it names processes and their command lines.
     type: str
-    default: '0644'
+    default: '0600'
 seealso:
   - module: ansible.builtin.copy
 """

@@ -44,7 +44,7 @@ def test_writes_sorted_indented_json_once_and_then_reports_no_change(tmp_path):
     text = (tmp_path / "ct1.json").read_text(encoding="utf-8")
     assert json.loads(text) == RESULT
     assert text.endswith("}\n") and '\n    "all_free": true,' in text, text
-    assert stat.S_IMODE(os.stat(tmp_path / "ct1.json").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(tmp_path / "ct1.json").st_mode) == 0o600   # the default: a report names processes
     assert sorted(os.listdir(tmp_path)) == ["ct1.json", "play.yml"]   # no temporary file left beside it
 
 
@@ -55,9 +55,9 @@ def test_check_mode_writes_nothing_and_says_it_would_change(tmp_path):
 
 
 def test_a_new_mode_alone_is_a_change(tmp_path):
-    first, second = play(tmp_path, [task(tmp_path / "ct1.json"), task(tmp_path / "ct1.json", mode="0600")])
+    first, second = play(tmp_path, [task(tmp_path / "ct1.json"), task(tmp_path / "ct1.json", mode="0644")])
     assert first["changed"] and second["changed"], (first, second)
-    assert stat.S_IMODE(os.stat(tmp_path / "ct1.json").st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(tmp_path / "ct1.json").st_mode) == 0o644
 
 
 def test_bad_values_fail_naming_them_and_write_nothing(tmp_path):
@@ -68,3 +68,17 @@ def test_bad_values_fail_naming_them_and_write_nothing(tmp_path):
     assert no_folder["failed"] and str(tmp_path / "missing") in no_folder["msg"], no_folder
     assert no_content["failed"] and "content" in no_content["msg"], no_content
     assert sorted(os.listdir(tmp_path)) == ["play.yml"]
+
+
+def test_a_planted_symlink_is_replaced_never_followed_and_a_report_is_private(tmp_path):
+    """Issue 41, attack 7: a symlink at the report's name, even to a file that already holds the same report with the
+    same mode, is replaced by a regular file; the file it pointed to is left as it was. The default mode is 0600."""
+    victim = tmp_path / "victim.json"
+    (first,) = play(tmp_path, [task(victim, mode="0640")])
+    before = victim.read_bytes()
+    os.symlink(str(victim), str(tmp_path / "ct1.json"))
+    result, fresh = play(tmp_path, [task(tmp_path / "ct1.json", mode="0640"), task(tmp_path / "ct2.json")])
+    assert first["changed"] and result["changed"], (first, result)
+    assert not os.path.islink(tmp_path / "ct1.json") and json.loads((tmp_path / "ct1.json").read_text()) == RESULT
+    assert victim.read_bytes() == before and stat.S_IMODE(os.stat(victim).st_mode) == 0o640
+    assert fresh["changed"] and stat.S_IMODE(os.stat(tmp_path / "ct2.json").st_mode) == 0o600

@@ -39,6 +39,8 @@ options:
       - The file holds an object with C(rows), a list of objects with the keys C(host), C(node), C(container),
         C(gpu_uuid), C(gpu_index), C(before_mib), C(after_mib), C(rung), C(verdict) and C(actions) (a list of strings).
       - Not written when empty.
+      - Written to a new file of mode 0600 beside it, then renamed over it; a symlink at this path is replaced, never
+        followed.
     type: path
     env:
       - name: GPUOPS_REPORT_PATH
@@ -69,8 +71,12 @@ EXAMPLES = r"""
 
 import json
 import os
+import re
 
+from ansible.module_utils.common.text.converters import to_bytes, to_native
 from ansible.plugins.callback import CallbackBase
+
+from ansible_collections.gpuops.fleet.plugins.plugin_utils._safe_file import replace_file
 
 STATUS_ACTIONS = ("gpuops.fleet.gpu_info", "gpu_info", "gpuops.fleet.gpu_info", "gpu_status")   # the old name redirects
 RELEASE_ACTIONS = ("gpuops.fleet.gpu_release", "gpu_release")
@@ -80,6 +86,20 @@ RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "container_restart", "res
 COLUMNS = (("node", "NODE"), ("container", "CT"), ("host", "HOST"), ("gpu_index", "GPU"), ("gpu_uuid", "UUID"),
            ("before_mib", "BEFORE MiB"), ("after_mib", "AFTER MiB"), ("rung", "RUNG"), ("verdict", "VERDICT"),
            ("actions", "STOPPED / SIGNALLED"))
+
+
+# Terminal escapes from a container's strings (process names, messages): OSC (title, hyperlinks), DCS/PM/APC/SOS
+# strings, CSI (cursor, erase, colour), in their 7-bit (ESC x) and 8-bit (C1) forms, then any other ESC pair.
+_ESCAPES = re.compile(r"(?:\x1b\]|\x9d|\x1b[P^_X]|[\x90\x98\x9e\x9f])[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"
+                      r"|(?:\x1b\[|\x9b)[0-?]*[ -/]*[@-~]?|\x1b[ -/]*[0-~]?")
+_LINE_BREAKS = re.compile(r"[\t\n\r\v\f]+")
+# what is left of C0, DEL, C1, and the bidirectional overrides that reorder what a terminal shows
+_CONTROLS = re.compile(r"[\x00-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def printable(text):
+    """A table cell as a terminal should get it: no escape sequence, no control character, one line."""
+    return _CONTROLS.sub("", _LINE_BREAKS.sub(" ", _ESCAPES.sub("", text)))
 
 
 def _mib(value):
@@ -262,12 +282,12 @@ def build_rows(reports, places):
 
 
 def render_table(rows):
-    """Plain text table, one line per row (actions joined by '; ')."""
+    """Plain text table, one line per row (actions joined by '; '); every cell printable()."""
     def cell(row, key):
         value = row.get(key)
         if key == "actions":
-            return "; ".join(value) if value else "-"
-        return "-" if value is None else str(value)
+            return printable("; ".join(str(v) for v in value)) if value else "-"
+        return "-" if value is None else printable(str(value))
     header = [column[1] for column in COLUMNS]
     body = [[cell(row, column[0]) for column in COLUMNS] for row in rows]
     widths = [max(len(x) for x in col) for col in zip(header, *body)] if body else [len(h) for h in header]
@@ -365,11 +385,16 @@ class CallbackModule(CallbackBase):
         for line in render_table(rows) if rows else ["no GPU results in this run"]:
             self._display.display(line)
         if path:
-            path = os.path.expanduser(path)
-            folder = os.path.dirname(path)
-            if folder:
-                os.makedirs(folder, exist_ok=True)
-            with open(path, "w") as handle:
-                json.dump({"rows": rows}, handle, indent=2, sort_keys=True)
-                handle.write("\n")
-            self._display.display("GPU report written to %s" % path)
+            self._write(os.path.expanduser(path), rows)
+
+    def _write(self, path, rows):
+        """The rows as JSON (control characters escaped by json): a new file of mode 0600 renamed over path."""
+        data = to_bytes(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")
+        try:
+            if os.path.dirname(path):
+                os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+            replace_file(path, data, 0o600)
+        except OSError as exc:
+            self._display.warning("gpu_report: the report was not written to %s: %s" % (path, to_native(exc)))
+            return
+        self._display.display("GPU report written to %s" % path)

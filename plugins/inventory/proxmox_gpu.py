@@ -148,8 +148,11 @@ options:
       - A template for the inventory host name, as in community.proxmox's inventory.
       - Its variables are the fields of the container's C(/cluster/resources) entry, such as C(name), C(vmid), C(node),
         C(status), C(tags) and C(pool); for example V({{ node }}-{{ vmid }}).
-      - Without it the host is the container's name. A name that is empty or already taken by another container
-        becomes C(ct<vmid>), with a warning when it came from this template.
+      - Without it the host is the container's name; a container without a name is C(ct<vmid>), as is one whose
+        name from this template is empty (with a warning).
+      - Two containers that get one host name, or one that gets the host name of a node host or of a host from
+        another inventory source, fail the inventory with one line naming both, never one taking the other's host
+        (and its tasks). Set this template (V({{ name }}-{{ vmid }})) where names repeat across nodes.
     type: str
   node_hosts:
     description:
@@ -163,8 +166,8 @@ options:
       - A template for the inventory host name of a node host.
       - Its variables are the fields of the node's C(GET /cluster/status) entry, such as C(name), C(ip), C(nodeid),
         C(online) and C(local); for example V(pve-{{ name }}).
-      - Without it the host is the node's name. A name that is empty or already taken (by a container or another node)
-        becomes C(node_<name>), with a warning.
+      - Without it the host is the node's name. A name that is empty or already taken by another node or another
+        source becomes C(node_<name>), with a warning; one taken by a container fails (see O(hostname)).
     type: str
   node_compose:
     description:
@@ -495,11 +498,11 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
     # -- inventory --------------------------------------------------------------------------------
 
     def _host_name(self, ct):
+        """The host name the container asks for: its name, the hostname template's, or ct<vmid> when empty."""
         fallback = 'ct%d' % ct['vmid']
         template = self.get_option('hostname')
         if not template:
-            name = ct['name']
-            return name if name and name not in self.inventory.hosts else fallback
+            return ct['name'] or fallback
         self.templar.available_variables = wrap_var(ct['resource'])
         try:
             name = str(self.templar.template(template)).strip()
@@ -509,13 +512,29 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
             self.display.warning('proxmox_gpu: hostname template failed for CT %d, named it %s: %s'
                                  % (ct['vmid'], fallback, to_native(exc)))
             return fallback
-        if not name or name in self.inventory.hosts:
-            self.display.warning('proxmox_gpu: hostname template gave CT %d the name %r, %s; named it %s'
-                                 % (ct['vmid'], name, 'already taken' if name else 'empty', fallback))
+        if not name:
+            self.display.warning('proxmox_gpu: hostname template gave CT %d an empty name; named it %s' % (ct['vmid'], fallback))
             return fallback
         return name
 
-    def _node_host_name(self, node):
+    def _claim_host_names(self, containers):
+        """{host name: container}. Two containers of one host name, or one named like a host the inventory already
+        has, fail naming both: one would silently take the other's name (and its tasks)."""
+        claimed = {}
+        for ct in containers:
+            name = self._host_name(ct)
+            other = claimed.get(name)
+            if other is not None:
+                raise AnsibleParserError(
+                    "proxmox_gpu: CT %d on %s and CT %d on %s both get the host name %r; rename one, or set the option "
+                    "hostname (for example '{{ name }}-{{ vmid }}')" % (other['vmid'], other['node'], ct['vmid'], ct['node'], name))
+            if name in self.inventory.hosts:
+                raise AnsibleParserError('proxmox_gpu: CT %d on %s gets the host name %r, already a host of the inventory '
+                                         '(another source); rename it, or set the option hostname' % (ct['vmid'], ct['node'], name))
+            claimed[name] = ct
+        return claimed
+
+    def _node_host_name(self, node, claimed):
         name, fallback = node['name'], 'node_%s' % node['name']
         template = self.get_option('node_hostname')
         if template:
@@ -529,6 +548,10 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
                 self.display.warning('proxmox_gpu: node_hostname template failed for node %s, named it %s: %s'
                                      % (node['name'], fallback, to_native(exc)))
                 name = ''
+        ct = claimed.get(name)
+        if ct is not None:
+            raise AnsibleParserError("proxmox_gpu: CT %d on %s gets the host name %r, the host name of node %s; rename the "
+                                     "container, or set the option hostname or node_hostname" % (ct['vmid'], ct['node'], name, node['name']))
         if name and name not in self.inventory.hosts:
             return name
         candidate, count = fallback, 1
@@ -540,13 +563,13 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
                                  % (name, node['name'], 'already taken' if name else 'empty', candidate))
         return candidate
 
-    def _populate_nodes(self, nodes):
-        """Node hosts in proxmox_nodes; returns {node name: inventory host name}."""
+    def _populate_nodes(self, nodes, claimed):
+        """Node hosts in proxmox_nodes; returns {node name: inventory host name}. claimed: the containers' host names."""
         strict = self.get_option('strict')
         group = self.inventory.add_group(NODES_GROUP)
         names = {}
         for node in nodes:
-            host = self.inventory.add_host(self._node_host_name(node), group=group)
+            host = self.inventory.add_host(self._node_host_name(node, claimed), group=group)
             names[node['name']] = host
             hostvars = wrap_var({
                 'ansible_connection': 'ssh',
@@ -563,8 +586,9 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
     def _populate(self, containers, nodes):
         strict = self.get_option('strict')
         gpu_group = self.inventory.add_group('gpu_containers')
-        hosts = [(ct, self.inventory.add_host(self._host_name(ct))) for ct in containers]
-        node_hosts = self._populate_nodes(nodes) if self.get_option('node_hosts') else {}
+        claimed = self._claim_host_names(containers)
+        hosts = [(ct, self.inventory.add_host(name)) for name, ct in claimed.items()]
+        node_hosts = self._populate_nodes(nodes, claimed) if self.get_option('node_hosts') else {}
         for ct, host in hosts:
             minors = [int(NVIDIA_DEV.match(path).group(1)) for path in ct['gpu_devices']]
             hostvars = {

@@ -32,7 +32,7 @@ RESOURCES = [
      "uptime": 7000},
     {"id": "lxc/205", "type": "lxc", "node": "pve2", "vmid": 205, "name": "vllm-b", "status": "stopped",
      "template": 0, "tags": "gpu"},
-    {"id": "lxc/206", "type": "lxc", "node": "pve2", "vmid": 206, "name": "sglang-a", "status": "running",
+    {"id": "lxc/206", "type": "lxc", "node": "pve2", "vmid": 206, "name": "sglang-b", "status": "running",
      "template": 0, "tags": "gpu", "uptime": 300, "pool": "ml"},
     {"id": "lxc/900", "type": "lxc", "node": "pve1", "vmid": 900, "name": "tmpl", "status": "running", "template": 1},
     {"id": "qemu/300", "type": "qemu", "node": "pve1", "vmid": 300, "name": "vm", "status": "running", "template": 0},
@@ -46,7 +46,7 @@ CONFIGS = {
     "nodes/pve1/lxc/101/config": {"hostname": "sglang-a", "dev0": "/dev/nvidia4,mode=0666", "dev1": "path=/dev/nvidia5",
                                   "dev2": "/dev/nvidiactl", "digest": "x"},
     "nodes/pve1/lxc/102/config": {"hostname": "web", "dev0": "/dev/nvidia-uvm", "digest": "y"},
-    "nodes/pve2/lxc/206/config": {"hostname": "sglang-a", "digest": "z", "lxc": [
+    "nodes/pve2/lxc/206/config": {"hostname": "sglang-b", "digest": "z", "lxc": [
         ["lxc.cgroup2.devices.allow", "c 195:* rwm"],
         ["lxc.mount.entry", "/dev/nvidia0 dev/nvidia0 none bind,optional,create=file"],
         ["lxc.mount.entry", "/dev/nvidiactl dev/nvidiactl none bind,optional,create=file"]]},
@@ -184,17 +184,17 @@ def test_verify_file_wants_its_suffix(tmp_path, name, accepted):
 
 def test_running_lxc_containers_with_node_address_and_gpus(tmp_path, monkeypatch):
     inventory = run_plugin(tmp_path, monkeypatch, recorded())
-    # 205 stopped, 900 a template, 300 a VM: left out. 206 reuses the name sglang-a: ct206.
-    assert containers(inventory) == ["ct206", "sglang-a", "web"]
+    # 205 stopped, 900 a template, 300 a VM: left out.
+    assert containers(inventory) == ["sglang-a", "sglang-b", "web"]
     a = hostvars(inventory, "sglang-a")
     assert a["ansible_connection"] == "gpuops.fleet.pct" and a["ansible_host"] == "10.0.0.11"
     assert a["pct_vmid"] == 101 and a["proxmox_node"] == "pve1" and a["proxmox_tags"] == ["gpu", "sglang"]
     assert a["proxmox_gpu_devices"] == ["/dev/nvidia4", "/dev/nvidia5"] and a["proxmox_gpu_minors"] == [4, 5]
-    b = hostvars(inventory, "ct206")
+    b = hostvars(inventory, "sglang-b")
     assert b["ansible_host"] == "10.0.0.12" and b["proxmox_gpu_devices"] == ["/dev/nvidia0"]
-    assert members(inventory, "gpu_containers") == ["ct206", "sglang-a"]
+    assert members(inventory, "gpu_containers") == ["sglang-a", "sglang-b"]
     assert members(inventory, "proxmox_node_pve1") == ["sglang-a", "web"]
-    assert members(inventory, "proxmox_node_pve2") == ["ct206"]
+    assert members(inventory, "proxmox_node_pve2") == ["sglang-b"]
     # Only the selected containers' configs are read.
     assert sorted(p for p, dummy in recorded_calls(tmp_path, monkeypatch) if p.endswith("/config")) == [
         "nodes/pve1/lxc/101/config", "nodes/pve1/lxc/102/config", "nodes/pve2/lxc/206/config"]
@@ -263,7 +263,7 @@ def test_cache_spares_config_reads_only(tmp_path, monkeypatch):
     inventory = run_plugin(tmp_path, monkeypatch, second, conf, cache=True)
     # The guest list and the node addresses are read again; the configs are not.
     assert [p for p, dummy in second.calls] == ["cluster/resources", "cluster/status"]
-    assert containers(inventory) == ["ct206", "sglang-a", "web"]
+    assert containers(inventory) == ["sglang-a", "sglang-b", "web"]
     assert hostvars(inventory, "sglang-a")["proxmox_gpu_minors"] == [4, 5]
 
 
@@ -333,7 +333,7 @@ def test_one_unreadable_config_is_left_out_with_a_warning(tmp_path, monkeypatch)
     assert containers(inventory) == ["web"]
     assert len(warnings) == 2, warnings
     assert "left out CT 101 (sglang-a) on pve1" in warnings[0] and "101.conf' does not exist" in warnings[0]
-    assert "left out CT 206 (sglang-a) on pve2" in warnings[1]
+    assert "left out CT 206 (sglang-b) on pve2" in warnings[1]
     assert "did not answer GET nodes/pve2/lxc/206/config within 10 s" in warnings[1]
 
 
@@ -385,14 +385,14 @@ def test_nothing_selected_warns_with_counts(tmp_path, monkeypatch):
 def test_filters_by_status_node_pool_and_name(tmp_path, monkeypatch):
     configs = {"nodes/pve2/lxc/205/config": {"hostname": "vllm-b", "dev0": "/dev/nvidia1"}}
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**configs), "statuses: [running, stopped]\n")
-    assert containers(inventory) == ["ct206", "sglang-a", "vllm-b", "web"]
+    assert containers(inventory) == ["sglang-a", "sglang-b", "vllm-b", "web"]
     assert hostvars(inventory, "vllm-b")["proxmox_status"] == "stopped"
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**configs), "statuses: [stopped]\n")
     assert containers(inventory) == ["vllm-b"]
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "nodes: [pve2]\n")
-    assert containers(inventory) == ["sglang-a"] and hostvars(inventory, "sglang-a")["pct_vmid"] == 206
+    assert containers(inventory) == ["sglang-b"] and hostvars(inventory, "sglang-b")["pct_vmid"] == 206
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "pools: [ml]\n")
-    assert containers(inventory) == ["ct206", "sglang-a"] and hostvars(inventory, "ct206")["proxmox_pool"] == "ml"
+    assert containers(inventory) == ["sglang-a", "sglang-b"] and hostvars(inventory, "sglang-b")["proxmox_pool"] == "ml"
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "names: ['w*', 'nothing']\n")
     assert containers(inventory) == ["web"]
     api = recorded()
@@ -403,11 +403,16 @@ def test_filters_by_status_node_pool_and_name(tmp_path, monkeypatch):
 def test_hostname_template(tmp_path, monkeypatch):
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "hostname: '{{ node }}-{{ vmid }}'\n")
     assert containers(inventory) == ["pve1-101", "pve1-102", "pve2-206"]
-    assert hostvars(inventory, "pve2-206")["proxmox_name"] == "sglang-a"
+    assert hostvars(inventory, "pve2-206")["proxmox_name"] == "sglang-b"
     warnings = []
-    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "hostname: '{{ name }}'\n", warnings=warnings)
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "hostname: \"{{ name | regex_replace('-b$', '') }}\"\n",
+                           warnings=warnings)
+    assert containers(inventory) == ["sglang", "sglang-a", "web"] and not warnings
+    # an empty name falls back to ct<vmid>, with a warning; a taken one fails (test_two_containers_of_one_name_fail_naming_both)
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(), "hostname: \"{{ '' if vmid == 206 else name }}\"\n",
+                           warnings=warnings)
     assert containers(inventory) == ["ct206", "sglang-a", "web"]
-    assert len(warnings) == 1 and "gave CT 206 the name 'sglang-a', already taken; named it ct206" in warnings[0]
+    assert warnings == ["proxmox_gpu: hostname template gave CT 206 an empty name; named it ct206"], warnings
 
 
 def test_hostname_template_does_not_run_api_values(tmp_path, monkeypatch):
@@ -447,17 +452,17 @@ def test_nodes_are_ssh_hosts_and_containers_name_their_node_host(tmp_path, monke
     assert "pct_vmid" not in pve1 and "proxmox_node_host" not in pve1
     assert hostvars(inventory, "pve2")["proxmox_node_vmids"] == [206]  # 205 is stopped, not listed
     assert hostvars(inventory, "sglang-a")["proxmox_node_host"] == "pve1"
-    assert hostvars(inventory, "ct206")["proxmox_node_host"] == "pve2"
+    assert hostvars(inventory, "sglang-b")["proxmox_node_host"] == "pve2"
     # Node hosts are in none of the container groups: those are reached through pct exec.
     assert members(inventory, "proxmox_node_pve1") == ["sglang-a", "web"]
-    assert members(inventory, "gpu_containers") == ["ct206", "sglang-a"]
+    assert members(inventory, "gpu_containers") == ["sglang-a", "sglang-b"]
     assert not _trusted(pve1["ansible_host"]) and not _trusted(pve1["proxmox_node"])
 
 
 def test_node_hosts_can_be_turned_off(tmp_path, monkeypatch):
     api = recorded()
     inventory = run_plugin(tmp_path, monkeypatch, api, "node_hosts: false\n")
-    assert sorted(inventory.hosts) == ["ct206", "sglang-a", "web"] and "proxmox_nodes" not in inventory.groups
+    assert sorted(inventory.hosts) == ["sglang-a", "sglang-b", "web"] and "proxmox_nodes" not in inventory.groups
     assert "proxmox_node_host" not in hostvars(inventory, "web")
     assert hostvars(inventory, "web")["ansible_host"] == "10.0.0.11"
 
@@ -468,7 +473,7 @@ def test_node_host_without_ip_or_status_entry_is_reached_by_name(tmp_path, monke
     assert members(inventory, "proxmox_nodes") == ["pve1", "pve2"]
     assert hostvars(inventory, "pve1")["ansible_host"] == "pve1"
     assert hostvars(inventory, "pve2")["ansible_host"] == "pve2"
-    assert hostvars(inventory, "ct206")["proxmox_node_host"] == "pve2"
+    assert hostvars(inventory, "sglang-b")["proxmox_node_host"] == "pve2"
 
 
 def test_nodes_without_listed_containers_are_hosts_too_and_the_nodes_option_applies(tmp_path, monkeypatch):
@@ -478,8 +483,8 @@ def test_nodes_without_listed_containers_are_hosts_too_and_the_nodes_option_appl
     assert members(inventory, "proxmox_nodes") == ["pve1", "pve2", "pve3"]
     assert hostvars(inventory, "pve3")["proxmox_node_vmids"] == []
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": status}), "nodes: [pve2, pve3]\n")
-    assert members(inventory, "proxmox_nodes") == ["pve2", "pve3"] and containers(inventory) == ["sglang-a"]
-    assert hostvars(inventory, "sglang-a")["proxmox_node_host"] == "pve2"
+    assert members(inventory, "proxmox_nodes") == ["pve2", "pve3"] and containers(inventory) == ["sglang-b"]
+    assert hostvars(inventory, "sglang-b")["proxmox_node_host"] == "pve2"
 
 
 def test_offline_nodes_are_left_out_with_a_warning(tmp_path, monkeypatch):
@@ -496,7 +501,7 @@ def test_offline_nodes_are_left_out_with_a_warning(tmp_path, monkeypatch):
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": status}), warnings=warnings)
     assert members(inventory, "proxmox_nodes") == ["pve1", "pve2"] and not warnings
     assert hostvars(inventory, "pve2")["proxmox_node_online"] is False
-    assert hostvars(inventory, "ct206")["proxmox_node_host"] == "pve2"
+    assert hostvars(inventory, "sglang-b")["proxmox_node_host"] == "pve2"
 
 
 def test_node_hostname_template_and_node_compose(tmp_path, monkeypatch):
@@ -528,17 +533,11 @@ def test_node_compose_strict(tmp_path, monkeypatch):
 
 
 def test_node_host_name_taken_or_empty_falls_back(tmp_path, monkeypatch):
-    # A container named like a node keeps its name; the node host becomes node_pve1.
-    resources = [dict(RESOURCES[0], name="pve1")] + RESOURCES[1:]
-    warnings = []
-    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": resources}), warnings=warnings)
-    assert members(inventory, "proxmox_nodes") == ["node_pve1", "pve2"]
-    assert hostvars(inventory, "pve1")["pct_vmid"] == 101 and hostvars(inventory, "pve1")["proxmox_node_host"] == "node_pve1"
-    assert warnings == ["proxmox_gpu: the host name 'pve1' of node pve1 is already taken; named it node_pve1"]
+    # (a container named like a node fails: test_a_container_named_like_a_node_fails_naming_both)
     warnings = []
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "node_hostname: 'pve'\n", warnings=warnings)
     assert members(inventory, "proxmox_nodes") == ["node_pve2", "pve"]
-    assert hostvars(inventory, "ct206")["proxmox_node_host"] == "node_pve2"
+    assert hostvars(inventory, "sglang-b")["proxmox_node_host"] == "node_pve2"
     assert len(warnings) == 1 and "'pve' of node pve2 is already taken; named it node_pve2" in warnings[0]
     warnings = []
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "node_hostname: '{{ missing_field }}'\n", warnings=warnings)
@@ -608,3 +607,37 @@ def test_the_node_and_the_inventory_read_one_config_alike():
                    ["lxc.mount.entry", "/dev/nvidia2 dev/nvidia2 none bind,optional,create=file"]]}
     usable = [int(path[len("/dev/nvidia"):]) for path in proxmox_gpu.gpu_devices(api)]
     assert usable == [1, 5] and node.parse_pve_conf(text)["minors"] == usable
+
+
+# -- host names that clash (issue 41, attack 7) ----------------------------------------------------------------------
+
+
+def test_two_containers_of_one_name_fail_naming_both(tmp_path, monkeypatch):
+    same = recorded(**{"cluster/resources": RESOURCES[:3] + [dict(RESOURCES[3], name="sglang-a")] + RESOURCES[4:]})
+    with pytest.raises(AnsibleParserError) as raised:
+        run_plugin(tmp_path, monkeypatch, same)
+    text = str(raised.value)
+    assert "\n" not in text.strip() and text.startswith("proxmox_gpu: "), text
+    assert "CT 101 on pve1 and CT 206 on pve2 both get the host name 'sglang-a'" in text, text
+    # the same name from a hostname template fails alike
+    with pytest.raises(AnsibleParserError, match="CT 101 on pve1 and CT 206 on pve2 both get the host name 'sglang'"):
+        run_plugin(tmp_path, monkeypatch, recorded(), "hostname: \"{{ name | regex_replace('-[ab]$', '') }}\"\n")
+
+
+def test_a_container_named_like_another_containers_fallback_fails(tmp_path, monkeypatch):
+    resources = [dict(RESOURCES[1], name="ct206"), dict(RESOURCES[3], name="")]
+    with pytest.raises(AnsibleParserError, match="CT 102 on pve1 and CT 206 on pve2 both get the host name 'ct206'"):
+        run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": resources,
+                                                      "nodes/pve2/lxc/206/config": {"digest": "z"}}))
+
+
+def test_a_container_named_like_a_node_fails_naming_both(tmp_path, monkeypatch):
+    resources = [dict(RESOURCES[0], name="pve2"), RESOURCES[1]]
+    with pytest.raises(AnsibleParserError) as raised:
+        run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": resources}))
+    text = str(raised.value)
+    assert "\n" not in text.strip(), text
+    assert "CT 101 on pve1 gets the host name 'pve2', the host name of node pve2" in text, text
+    # without node hosts nothing clashes
+    inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": resources}), "node_hosts: false\n")
+    assert containers(inventory) == ["pve2", "web"]

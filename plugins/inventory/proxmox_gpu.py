@@ -237,7 +237,7 @@ import time
 
 from ansible.errors import AnsibleError, AnsibleParserError
 from ansible.module_utils.common.text.converters import to_native
-from ansible.module_utils.six.moves.urllib.parse import urlsplit
+from ansible.module_utils.six.moves.urllib.parse import urljoin, urlsplit
 from ansible.plugins.inventory import BaseInventoryPlugin, Cacheable, Constructable, to_safe_group_name
 from ansible.utils.unsafe_proxy import wrap_var
 
@@ -245,13 +245,16 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._pveconf import NVIDI
 
 try:
     import requests  # proxmoxer's https backend calls sys.exit() when requests is missing: check first
+    import proxmoxer
     from proxmoxer import ProxmoxAPI
+    from proxmoxer.backends.https import ProxmoxHTTPAuthBase
     from proxmoxer.core import AuthenticationError, ResourceException
     HAS_PROXMOXER = True
     PROXMOXER_IMPORT_ERROR = None
 except ImportError as exc:
     HAS_PROXMOXER = False
     PROXMOXER_IMPORT_ERROR = exc
+    ProxmoxHTTPAuthBase = object
 
 DEFAULT_PORT = 8006
 CACHE_FORMAT = 2
@@ -303,6 +306,64 @@ class ConfigUnreadable(Exception):
     """One container's config could not be read; the others still can."""
 
 
+class RedirectRefused(AnsibleParserError):
+    """The API answered with a redirect to another origin: nothing is sent there, and the whole inventory fails."""
+
+
+def origin(url):
+    """(scheme, host, port) of a URL: where a ticket or a token may go."""
+    parts = urlsplit(url)
+    return parts.scheme.lower(), (parts.hostname or '').lower(), parts.port or {'https': 443, 'http': 80}.get(parts.scheme)
+
+
+def refuse_redirects_elsewhere(session, api_url):
+    """A response hook on a requests session: a redirect to another origin than api_url's fails before it is followed
+    (requests would carry the PVEAuthCookie there, and a 307 the password)."""
+    home = origin(api_url)
+
+    def hook(response, *args, **kwargs):
+        del args, kwargs
+        if response.is_redirect:
+            target = urljoin(response.url, response.headers.get('location', ''))
+            if origin(target) != home:
+                raise RedirectRefused('proxmox_gpu: the Proxmox VE API at %s answered %s %s with a redirect to %s, another '
+                                      'host; refused, nothing was sent there (set url to the API itself)'
+                                      % (api_url, response.request.method, urlsplit(response.url).path, target))
+        return response
+    session.hooks.setdefault('response', []).append(hook)
+
+
+class TicketAuth(ProxmoxHTTPAuthBase):
+    """proxmoxer's password login, through a session that refuses a redirect elsewhere (proxmoxer's own login follows
+    any redirect, a 307 with the password in its body). Sends the ticket as proxmoxer does: a cookie, and the CSRF
+    token on a request that changes something."""
+
+    def __init__(self, base_url, user, password, **kwargs):
+        super(TicketAuth, self).__init__(**kwargs)
+        session = requests.Session()
+        refuse_redirects_elsewhere(session, base_url)
+        response = session.post(base_url + '/access/ticket', data={'username': user, 'password': password},
+                                verify=self.verify_ssl, timeout=self.timeout)
+        if response.status_code != 200:
+            raise AuthenticationError("Couldn't authenticate user: %s to %s/access/ticket code: %s"
+                                      % (user, base_url, response.status_code))
+        data = response.json().get('data') or {}
+        if data.get('NeedTFA') is not None:
+            raise AuthenticationError('%s needs a second factor (TFA); use an API token (token_id, token_secret)' % user)
+        self.ticket, self.csrf = data['ticket'], data['CSRFPreventionToken']
+
+    def get_cookies(self):
+        return requests.cookies.cookiejar_from_dict({self.service + 'AuthCookie': self.ticket})
+
+    def get_tokens(self):
+        return self.ticket, self.csrf
+
+    def __call__(self, req):
+        if req.method != 'GET':
+            req.headers['CSRFPreventionToken'] = self.csrf
+        return req
+
+
 class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
     """LXC containers with their current node and their NVIDIA devices."""
 
@@ -336,13 +397,31 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         else:
             raise AnsibleParserError('proxmox_gpu: give password, or token_id and token_secret, for %s' % user)
         try:
-            return ProxmoxAPI(host, port=port, user=user, backend='https', service='PVE', verify_ssl=verify,
-                              timeout=self.get_option('timeout'), **auth)
+            return self._guarded_api(host, port, user, verify, auth)
         except AuthenticationError as exc:
             raise AnsibleParserError('proxmox_gpu: authentication failed for %s at %s (wrong password?): %s'
                                      % (user, url, to_native(exc)))
         except requests.exceptions.RequestException as exc:
             raise AnsibleParserError(self._request_error(url, 'POST access/ticket', exc))
+
+    def _guarded_api(self, host, port, user, verify, auth):
+        """ProxmoxAPI whose session refuses a redirect to another origin; in password mode its ticket comes from
+        TicketAuth (the login refuses one too)."""
+        timeout = self.get_option('timeout')
+        password = auth.pop('password', None)
+        if password is not None:   # a placeholder token: no login here, TicketAuth replaces it below
+            auth = {'token_name': 'unused', 'token_value': 'unused'}
+        api = ProxmoxAPI(host, port=port, user=user, backend='https', service='PVE', verify_ssl=verify, timeout=timeout,
+                         **auth)
+        store = getattr(api, '_store', None) or {}
+        session, base_url = store.get('session'), store.get('base_url')
+        if session is None or base_url is None:
+            raise AnsibleParserError('proxmox_gpu: this proxmoxer (%s) keeps its session elsewhere; the plugin cannot '
+                                     'refuse redirects through it: use proxmoxer 2.x' % getattr(proxmoxer, '__version__', '?'))
+        refuse_redirects_elsewhere(session, base_url)
+        if password is not None:
+            session.auth = TicketAuth(base_url, user, password, verify_ssl=verify, timeout=timeout)
+        return api
 
     def _request_error(self, url, request, exc):
         if isinstance(exc, requests.exceptions.SSLError):
@@ -371,7 +450,7 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         try:
             return self._get(api, path, current=1)
         except AnsibleParserError as exc:
-            if 'authentication failed' in to_native(exc):
+            if isinstance(exc, RedirectRefused) or 'authentication failed' in to_native(exc):
                 raise
             raise ConfigUnreadable(to_native(exc))
 
@@ -455,7 +534,7 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         try:
             return [item for item in self._get(api, 'cluster/status') or [] if isinstance(item, dict)]
         except AnsibleParserError as exc:
-            if 'authentication failed' in to_native(exc):
+            if isinstance(exc, RedirectRefused) or 'authentication failed' in to_native(exc):
                 raise
             self.display.warning('proxmox_gpu: no node hosts (%s), the nodes could not be read: %s'
                                  % (NODES_GROUP, to_native(exc)))

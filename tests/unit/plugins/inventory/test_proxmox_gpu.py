@@ -641,3 +641,12 @@ def test_a_container_named_like_a_node_fails_naming_both(tmp_path, monkeypatch):
     # without node hosts nothing clashes
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/resources": resources}), "node_hosts: false\n")
     assert containers(inventory) == ["pve2", "web"]
+
+
+def test_a_refused_redirect_on_a_config_read_fails_the_inventory_not_only_that_container(tmp_path, monkeypatch):
+    refused = proxmox_gpu.RedirectRefused("proxmox_gpu: the Proxmox VE API at https://pve1.example.org:8006 answered GET "
+                                          "/x with a redirect to https://elsewhere/, another host; refused")
+    with pytest.raises(proxmox_gpu.RedirectRefused, match="redirect to https://elsewhere/"):
+        run_plugin(tmp_path, monkeypatch, recorded(**{"nodes/pve1/lxc/102/config": refused}))
+    with pytest.raises(proxmox_gpu.RedirectRefused):   # nor only the node hosts, when nothing is selected
+        run_plugin(tmp_path, monkeypatch, recorded(**{"cluster/status": refused}), "names: [none]\n")

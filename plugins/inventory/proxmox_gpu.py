@@ -13,6 +13,9 @@ description:
     each node's address with C(GET /cluster/status), and reads each selected container's running config
     (C(GET /nodes/NODE/lxc/VMID/config?current=1), so a pending change not yet applied is not taken for it) for the
     NVIDIA devices passed into it.
+  - A redirect to another origin (scheme, host or port) than O(url)'s fails the inventory, naming the redirect's target,
+    before anything is sent there, since a redirect would carry the ticket (C(PVEAuthCookie)) of O(password) to it, and a
+    redirected login the password. The same holds for an API token.
   - A container whose config cannot be read (it is migrating, its node just dropped out, the request timed out, the
     user may not read it) is left out with a warning; the other containers are still listed.
   - An empty result is a warning that names the likely cause (a user or token without C(VM.Audit) sees no guests).

@@ -8,7 +8,8 @@ What is masked, and what is deliberately not (issue 41):
   `--api-key`, `--private-key`, `--jwt`, `--client-secret`; `pass` as a word of the name (`--pass`, `--db-pass`,
   `--passphrase`, `--db_passwd`), never inside one (`--bypass`, `--passes`); any `--WORD-key` (`--openai-key`,
   `--wandb-key`) except the names of data fields and the like (`--input-key`, `--sort-key`, `--public-key`:
-  NON_SECRET_KEYS), but not `--key` alone (curl's and openssl's key file, sort's field). A name that goes on (`--password-file`, `--key-file`, `--max-tokens`) is not one;
+  NON_SECRET_KEYS), but not `--key` alone (curl's and openssl's key file, sort's field). A name that goes on
+  (`--password-file`, `--key-file`, `--max-tokens`) is not one;
 - the same names as `NAME=X` (`HF_TOKEN=X`, `MYSQL_PWD=X`, `DB_PASS=X`, `?token=X`), as JSON or Python keys
   (`"api_key": "X"`) and as HTTP headers (`X-Api-Key: X`, `X-Auth-Token: X`, `Cookie: X`, `Authorization: X`);
 - a glued `-pX` (mysql's password) of every program, unless X is a port (`-p8080`, `-p8080:80/tcp`) or the

@@ -58,7 +58,7 @@ options:
   mode:
     description:
       - The file's permissions, as an octal string. The file is created with them (never wider for a moment).
-      - The default keeps the report to the controller's user: it names processes and their command lines.
+      - The default keeps the report to the controller's user, since it names processes and their command lines.
     type: str
     default: '0600'
 seealso:

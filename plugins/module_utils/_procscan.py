@@ -421,7 +421,8 @@ def parse_status(text):
         elif key in ("PPid", "Tgid", "Pid", "Threads"):
             out[key.lower()] = int(value)
         elif key == "Uid":
-            out["uid"] = int(value.split()[0])
+            out["uids"] = [int(v) for v in value.split()]
+            out["uid"] = out["uids"][0]
         elif key == "NSpid":
             out["nspid"] = [int(v) for v in value.split()]
     return out

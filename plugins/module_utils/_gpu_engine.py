@@ -399,7 +399,7 @@ class Engine(object):
             "mps_role": mps_role(names),
             "nspid": status.get("nspid"),
             "cgroup": cgroup,
-            "container": None if self.in_container else (node.container_of_cgroup(cgroup) or node.HOST),
+            "container": None if self.in_container else node.where_of_cgroup(cgroup),   # unread: None, never host
             "container_pid": None if self.in_container else node.pid_in_container(status.get("nspid")),
             "parent_name": parent["comm"] if parent else None,
             "names": names,

@@ -123,10 +123,10 @@ def _overflow_uid():
         return 65534
 
 
-def system_tool(name, dirs=SYSTEM_BIN_DIRS):
+def system_tool(name, dirs=None):
     """The path of tool name in a fixed system folder: a regular executable file that only root may write (owned by
     root, or by no one mapped here: a read-only rootfs seen from a user namespace); None when there is none."""
-    for folder in dirs:
+    for folder in SYSTEM_BIN_DIRS if dirs is None else dirs:
         path = os.path.join(folder, name)
         try:
             st = os.stat(path)
@@ -383,7 +383,7 @@ class Scope(object):
         """Membership read again at signal time; None when still in scope."""
         where = container_of_pid(record["pid"], self.proc_root)
         if where is None:
-            return "gone"
+            return "pid %d: its container can no longer be read (unknown, never the node)" % record["pid"]
         if where != record.get("container") or not self.allows(where):
             return "pid %d moved to %s, out of scope" % (record["pid"], "the node" if where == HOST else "container " + where)
         return None

@@ -77,8 +77,8 @@ def test_a_containers_daemon_is_asked_inside_it_with_its_own_tool_by_name(monkey
     assert mps.ask(control, "get_server_list") == (True, "0")
     argv = calls[0]
     assert argv[:3] == ["lxc-attach", "-n", "101"] and "--clear-env" in argv
-    assert argv[argv.index("--") + 1:] == ["sh", "-c", 'printf "%s\\n" "$1" | exec "$0"', "nvidia-cuda-mps-control",
-                                          "get_server_list"]
+    shell = ["sh", "-c", 'printf "%s\\n" "$1" | exec "$0"', "nvidia-cuda-mps-control", "get_server_list"]
+    assert argv[argv.index("--") + 1:] == shell
 
 
 # ---- attack 5: names chosen by unprivileged users

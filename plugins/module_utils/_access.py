@@ -24,6 +24,7 @@ SHARED_NODES = ("nvidiactl", "nvidia-uvm")
 DRM_REFCNT = "/sys/module/nvidia_drm/refcnt"
 DRM_REFCNT_ENV = "GPUOPS_NVIDIA_DRM_REFCNT"  # another file to read instead (the lab's stand-in)
 CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+TEXT_MAX = 4096   # a path or an error text in a container's answer
 
 
 def _minor_of(path, name):
@@ -105,8 +106,38 @@ def read_in_container(vmid, minors, timeout=30.0, attach="lxc-attach"):
         reading = None
     if reading is None:
         return None, "exit %d: %s" % (rc, " ".join(out.split())[:300] or "no output")
-    reading["gpus"] = dict((int(minor), gpu) for minor, gpu in reading["gpus"].items())
-    return reading, None
+    return checked(reading, minors)
+
+
+def _text(value):
+    return isinstance(value, str) and len(value) <= TEXT_MAX
+
+
+def _opened(entry, failed):
+    """An {path, error} entry as read() writes it (failed: error must be a text, else a text or None)."""
+    return (isinstance(entry, dict) and _text(entry.get("path"))
+            and (_text(entry.get("error")) or (not failed and entry.get("error") is None)))
+
+
+def _gpu_entry(gpu):
+    return (isinstance(gpu, dict) and isinstance(gpu.get("paths"), list) and all(_text(p) for p in gpu["paths"])
+            and isinstance(gpu.get("errors"), list) and all(_opened(e, True) for e in gpu["errors"]))
+
+
+def checked(reading, minors):
+    """(reading, None) when a container's answer is what read() writes for minors (its gpus keyed by int again),
+    else (None, why): the answer comes from the container's own python3, and is never trusted to be well formed."""
+    if not isinstance(reading, dict) or not isinstance(reading.get("shared"), list) or not isinstance(reading.get("gpus"), dict):
+        return None, "a malformed answer: not {\"shared\": [...], \"gpus\": {...}}"
+    if not all(_opened(e, False) for e in reading["shared"]):
+        return None, "a malformed answer: a shared node entry is not {path, error}"
+    keys = sorted(str(m) for m in set(minors))
+    if sorted(reading["gpus"]) != keys or not all(_gpu_entry(g) for g in reading["gpus"].values()):
+        return None, "a malformed answer: its gpus are not {minor: {paths, errors}} for minors %s" % ", ".join(keys)
+    shared = [{"path": e["path"], "error": e["error"]} for e in reading["shared"]]
+    gpus = dict((int(k), {"paths": list(g["paths"]), "errors": [{"path": e["path"], "error": e["error"]} for e in g["errors"]]})
+                for k, g in reading["gpus"].items())
+    return {"shared": shared, "gpus": gpus}, None
 
 
 def read_drm_refcount():

@@ -43,8 +43,9 @@ def plan(report, targets, readings, mode, all_gpus):
             what = "pid %d (%s), a daemon that serves every GPU of the node: %s" % (record["pid"], name, _gpu_words(every))
             on = [g["index"] for g in every]
             if service is None:
-                add("daemon", what, on, "refused", "not under systemd or supervisord here, so it cannot be stopped and "
-                    "started again through its service manager; stop it yourself")
+                add("daemon", what, on, "refused", "not under systemd or supervisord here as a service of the node's root "
+                    "(a system unit, or a root supervisord's program, its tool in a system folder), so it cannot be "
+                    "stopped and started again through its service manager; stop it yourself")
             elif mode == "stop_services":
                 add("daemon", what, on, "stop %s %s, start it again after the reset" % (service["kind"], service["name"]))
             else:

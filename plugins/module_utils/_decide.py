@@ -228,6 +228,8 @@ def _protected_reason(record, match, protect, protect_pids):
         return "%s is on the built-in protect list" % record["protected_name"]
     if protect is not None and protect.reason(record["pid"], record["names"], argv_line):
         return protect.reason(record["pid"], record["names"], argv_line)
+    if protect is not None and protect.patterns and "cmdline" in (record.get("truncated") or ()):
+        return "its command line has more than the bytes read (truncated): `protect` cannot be checked on all of it"
     if not matches(match, record["names"], argv_line):
         return "does not match `match` (%s)" % match.pattern
     return None

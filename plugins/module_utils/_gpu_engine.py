@@ -320,7 +320,7 @@ class Engine(object):
         return round(self._btime + starttime / float(self._ticks), 2)
 
     def cmdline_of(self, entry):
-        argv = []
+        """(argv, truncated): its first ARGS_CAP bytes, and whether it had more."""
         for tid_path in ("%s/%d/cmdline" % (self.proc_root, entry.pid),
                          "%s/%d/task/%d/cmdline" % (self.proc_root, entry.pid, entry.table_tid)):
             try:
@@ -329,8 +329,8 @@ class Engine(object):
                 continue
             argv = [a.decode("utf-8", "replace") for a in raw.split(b"\0") if a]
             if argv:
-                break
-        return argv
+                return argv, procscan.is_truncated(raw)
+        return [], False
 
     def details(self, entry, minor_index, table=None):
         """The per-process record gpu_status returns (pinning fields are set later); table: the scan that
@@ -342,7 +342,7 @@ class Engine(object):
         except OSError:
             pass
         counts, blocked = procscan.thread_details(pid, self.proc_root)
-        argv = self.cmdline_of(entry)
+        argv, cut = self.cmdline_of(entry)
         parent = procscan.read_stat(entry.ppid, self.proc_root) if entry.ppid else None
         cgroup = table.cgroups[pid] if table is not None and pid in table.cgroups else procscan.read_cgroup(pid, self.proc_root)
         root = "%s/%d/root" % (self.proc_root, entry.table_tid if entry.defunct_leader else pid)
@@ -399,12 +399,13 @@ class Engine(object):
             "mps_role": mps_role(names),
             "nspid": status.get("nspid"),
             "cgroup": cgroup,
-            "container": None if self.in_container else (node.container_of_cgroup(cgroup) or node.HOST),
+            "container": None if self.in_container else node.where_of_cgroup(cgroup),   # unread: None, never host
             "container_pid": None if self.in_container else node.pid_in_container(status.get("nspid")),
             "parent_name": parent["comm"] if parent else None,
             "names": names,
             "protected_name": protected_name(names),
             "cmdline": redact_argv(argv, self.redact_patterns) if (self.with_cmdline and argv) else None,
+            "truncated": ["cmdline"] if cut else [],
         }
         record["_argv"] = argv  # for `match`/`protect`, never returned
         record["_sockets"] = list(entry.sockets)
@@ -552,8 +553,11 @@ class Engine(object):
             where = node.container_of_pid(pid, self.proc_root, scan) if self.view == "node" else node.HOST
             used.setdefault(where, set()).update(n for n in (shm.used_name(p) for p in paths) if n)
 
+        unknown = used.get(None, set())   # a process whose container cannot be read: its names are used everywhere
+
         def read(shm_dir, where):
-            return shm.residue(shm.list_dir(shm_dir), used.get(where, set()), started, self.shm_dir, self.shm_prefixes)
+            return shm.residue(shm.list_dir(shm_dir), used.get(where, set()) | unknown, started, self.shm_dir,
+                               self.shm_prefixes)
         here = read(self.shm_dir, node.HOST)
         if self.view != "node":
             return here, None, {None: self.shm_dir}
@@ -913,6 +917,9 @@ def diagnose(report):
                          "holder; it holds no GPU memory and is never signalled"
                          % (_pname(record), _devices_text(record["fd_devices"])))
     for info in report.unreadable:
+        if info.get("reason") == "truncated":
+            lines.append(truncated_line(info, report.gpus))
+            continue
         what = ("its memory maps, so whether it holds a GPU is unknown; GPUs it may hold (%s) are never taken "
                 "for free on its account" % (", ".join(str(g["index"]) for g in report.gpus if info["pid"] in
                                                        g.get("blocked", ())) or "none targeted")
@@ -929,6 +936,14 @@ def diagnose(report):
         if found:
             lines.append(shm_line(vmid, found))
     return lines
+
+
+def truncated_line(info, gpus):
+    """One sentence on a process whose maps had more than the read cap."""
+    may = ", ".join(str(g["index"]) for g in gpus if info["pid"] in g.get("blocked", ())) or "none targeted"
+    return ("pid %d (%s) is unreadable: truncated: %s has more than %d bytes (a process can make it so), read no further: "
+            "whether it holds a GPU is unknown; GPUs it may hold (%s) are never taken for free on its account, and it "
+            "is never signalled on a part of its maps" % (info["pid"], info["name"], info["path"], info["cap_bytes"], may))
 
 
 def shm_line(vmid, found):

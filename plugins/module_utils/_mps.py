@@ -8,7 +8,8 @@ the process nor frees its memory (GPU_FACTS row 28), so the ladder follows it. T
 client tool reaches it: `nvidia-cuda-mps-control` with the daemon's CUDA_MPS_PIPE_DIRECTORY, a command on stdin.
 A daemon in this PID namespace is asked directly (its pids are ours); from a Proxmox node, one inside an LXC
 container is asked inside it, through lxc-attach, with the container's pids. `quit` is never sent (it blocks
-while a client remains, row 28).
+while a client remains, row 28). The tool run is never a path a process shows (issue 41): this host's comes from
+fixed system folders, a container's is its own, by name.
 """
 
 from __future__ import annotations
@@ -42,58 +43,47 @@ def _program(argv):
     return argv[0] if argv else ""
 
 
-def _binary(pid, argv, proc_root):
-    """The control tool to run: the daemon's own program or exe when it names the tool, else one on PATH."""
-    candidates = []
-    if argv and os.path.isabs(_program(argv)):
-        candidates.append(_program(argv))
+def _is_control(pid, proc_root):
+    """Whether pid looks like the control daemon: comm nvidia-cuda-mps..., its program (or exe) named as the tool.
+    A name only: it decides what to ask, never what to run."""
+    stat = procscan.read_stat(pid, proc_root)
+    if stat is None or not stat["comm"].startswith("nvidia-cuda-mps"):
+        return False
+    argv = _argv(pid, proc_root)
+    names = set([os.path.basename(_program(argv))] if argv else [])
     try:
-        candidates.append(os.readlink("%s/%d/exe" % (proc_root, pid)))
+        names.add(os.path.basename(os.readlink("%s/%d/exe" % (proc_root, pid))))
     except OSError:
         pass
-    for path in candidates:
-        if os.path.basename(path) == CONTROL and os.path.isfile(path):
-            return path
-    for folder in os.environ.get("PATH", "").split(os.pathsep) + list(BIN_DIRS):
-        path = os.path.join(folder or ".", CONTROL)
-        if os.path.isfile(path) and os.access(path, os.X_OK):
-            return path
-    return None
+    return CONTROL in names
+
+
+def _where(pid, proc_root, node_view):
+    """(True, None): a daemon of this host, asked here; (True, vmid): one in that container, asked inside it; (False,
+    None): neither. This host's only when its namespaces were read and are ours (unknown is never ours), and, from a
+    node, root's; from a node, any other is its cgroup's container's, or skipped."""
+    own = node.in_own_namespaces(pid, proc_root)
+    if own:
+        return (not node_view or node.root_owned(pid, proc_root)), None
+    vmid = node.container_of_pid(pid, proc_root) if node_view else None
+    return vmid not in (None, node.HOST, node.UNATTRIBUTED), vmid
 
 
 def find_controls(proc_root="/proc", node_view=False):
-    """The MPS control daemons to ask: [{pid, binary, env, vmid}]. vmid None: one of this PID namespace, asked
-    directly; from a node (node_view), also those in LXC containers (vmid set; binary its own argv[0] there)."""
-    try:
-        mine = os.stat("%s/self/ns/pid" % proc_root).st_ino
-    except OSError:
-        mine = None
+    """The MPS control daemons to ask: [{pid, binary, env, vmid}]. vmid None: one of this host (its pid and mount
+    namespaces ours), asked directly with the tool of a fixed system folder (BIN_DIRS); from a node (node_view), also
+    those in LXC containers (vmid set), asked inside theirs by the tool's name (that container's PATH). No path a
+    process shows (argv, exe) is ever run."""
     found = []
     for name in os.listdir(proc_root):
-        if not name.isdigit():
+        if not name.isdigit() or not _is_control(int(name), proc_root):
             continue
         pid = int(name)
-        stat = procscan.read_stat(pid, proc_root)
-        if stat is None or not stat["comm"].startswith("nvidia-cuda-mps"):
+        ask_it, vmid = _where(pid, proc_root, node_view)
+        if not ask_it:
             continue
-        argv = _argv(pid, proc_root)
-        names = set([os.path.basename(_program(argv))] if argv else [])
-        same_ns = True
-        try:
-            names.add(os.path.basename(os.readlink("%s/%d/exe" % (proc_root, pid))))
-            same_ns = mine is None or os.stat("%s/%d/ns/pid" % (proc_root, pid)).st_ino == mine
-        except OSError:
-            pass
-        if CONTROL not in names:
-            continue
-        vmid = None
-        if not same_ns:
-            vmid = node.container_of_pid(pid, proc_root) if node_view else None
-            if vmid in (None, node.HOST, node.UNATTRIBUTED):
-                continue
         env = procscan.read_environ(pid, proc_root, ("CUDA_MPS_PIPE_DIRECTORY", "CUDA_MPS_LOG_DIRECTORY"))
-        binary = _binary(pid, argv, proc_root) if vmid is None else (
-            _program(argv) if argv and os.path.isabs(_program(argv)) else CONTROL)
+        binary = node.system_tool(CONTROL, BIN_DIRS) if vmid is None else CONTROL
         found.append({"pid": pid, "binary": binary, "env": env, "vmid": vmid})
     return sorted(found, key=lambda c: c["pid"])
 
@@ -101,7 +91,7 @@ def find_controls(proc_root="/proc", node_view=False):
 def ask(control, command, timeout=ASK_TIMEOUT_S):
     """(ok, text) of one command to a control daemon."""
     if control["binary"] is None:
-        return False, "%s not found (PATH, %s)" % (CONTROL, ", ".join(BIN_DIRS))
+        return False, "%s not found (%s)" % (CONTROL, ", ".join(BIN_DIRS))
     pipe = control["env"].get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR
     settings = {"CUDA_MPS_PIPE_DIRECTORY": pipe}
     if control["env"].get("CUDA_MPS_LOG_DIRECTORY"):

@@ -25,6 +25,11 @@ PVE_HA_RESOURCES = "/etc/pve/ha/resources.cfg"
 PROXMOX_MARKERS = ("/etc/pve", "/usr/sbin/pct")
 HOST = "host"
 UNATTRIBUTED = "unattributed"
+# the node's own tools (service managers, MPS control) run from these folders only, never from a path a process names
+SYSTEM_BIN_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+OWN_NAMESPACES = ("pid", "mnt")
+OVERFLOW_UID = "/proc/sys/fs/overflowuid"
+_USER_SLICE_RE = re.compile(r"(?:^|/)(?:user\.slice|user@[^/]*\.service)(?:/|$)")
 
 _CONTAINER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(/.*)?$")
 
@@ -47,8 +52,25 @@ def inner_cgroup(path):
     return (match.group(2) or "/") if match else None
 
 
+def where_of_cgroup(path):
+    """The vmid of a cgroup path's container, HOST when it names none, None (unknown) when it is unread or empty, or
+    when a user's slice (user.slice, user@UID.service) comes before its lxc/VMID/ns: a node user may name a cgroup of
+    its own so, and is never a container's."""
+    if not path:
+        return None
+    match = _CONTAINER_RE.search(path)
+    if match is None:
+        return HOST
+    return None if _USER_SLICE_RE.search(path[:match.start() + 1]) else match.group(1)
+
+
+def in_user_slice(path):
+    """True when a cgroup path is a user's (user.slice, or a user's own manager user@UID.service)."""
+    return bool(_USER_SLICE_RE.search(path or ""))
+
+
 def container_of_pid(pid, proc_root="/proc", table=None):
-    """The vmid of a live pid, HOST when it is in no container, None when it cannot be read.
+    """The vmid of a live pid, HOST when it is in no container, None when it cannot be read (unknown, never HOST).
 
     table: a scan with cgroups, whose reading is used for the pids it read (the same snapshot).
     """
@@ -56,9 +78,64 @@ def container_of_pid(pid, proc_root="/proc", table=None):
         path = table.cgroups[pid]
     else:
         path = procscan.read_cgroup(pid, proc_root)
-    if path is None:
+    return where_of_cgroup(path)
+
+
+def _namespaces(pid, proc_root):
+    """{kind: inode} of pid's pid and mount namespaces (pid may be "self"); None when one cannot be read."""
+    out = {}
+    for kind in OWN_NAMESPACES:
+        try:
+            out[kind] = os.stat("%s/%s/ns/%s" % (proc_root, pid, kind)).st_ino
+        except OSError:
+            return None
+    return out
+
+
+def in_own_namespaces(pid, proc_root="/proc"):
+    """True when pid's pid and mount namespaces were read and are this reader's own (on a node: the node's), False
+    when read and different, None (unknown) when either side cannot be read: never taken for the node's."""
+    mine, its = _namespaces("self", proc_root), _namespaces(pid, proc_root)
+    if mine is None or its is None:
         return None
-    return container_of_cgroup(path) or HOST
+    return mine == its
+
+
+def root_owned(pid, proc_root="/proc"):
+    """True when every uid of pid (real, effective, saved, filesystem) is 0; False otherwise, or when unreadable."""
+    try:
+        uids = procscan.parse_status(procscan.read_text("%s/%d/status" % (proc_root, pid))).get("uids")
+    except OSError:
+        return False
+    return bool(uids) and all(uid == 0 for uid in uids)
+
+
+def node_root_process(pid, proc_root="/proc"):
+    """A process of the node's own root: in the node's pid and mount namespaces (read, never assumed) and root's."""
+    return in_own_namespaces(pid, proc_root) is True and root_owned(pid, proc_root)
+
+
+def _overflow_uid():
+    try:
+        with open(OVERFLOW_UID) as handle:
+            return int(handle.read().strip())
+    except (OSError, ValueError):
+        return 65534
+
+
+def system_tool(name, dirs=None):
+    """The path of tool name in a fixed system folder: a regular executable file that only root may write (owned by
+    root, or by no one mapped here: a read-only rootfs seen from a user namespace); None when there is none."""
+    for folder in SYSTEM_BIN_DIRS if dirs is None else dirs:
+        path = os.path.join(folder, name)
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        owner_ok = st.st_uid == 0 or st.st_uid == _overflow_uid()
+        if stat_mod.S_ISREG(st.st_mode) and owner_ok and st.st_mode & 0o111 and not st.st_mode & 0o022:
+            return path
+    return None
 
 
 def pid_in_container(nspid):
@@ -306,7 +383,7 @@ class Scope(object):
         """Membership read again at signal time; None when still in scope."""
         where = container_of_pid(record["pid"], self.proc_root)
         if where is None:
-            return "gone"
+            return "pid %d: its container can no longer be read (unknown, never the node)" % record["pid"]
         if where != record.get("container") or not self.allows(where):
             return "pid %d moved to %s, out of scope" % (record["pid"], "the node" if where == HOST else "container " + where)
         return None

@@ -29,21 +29,28 @@ SHM_MARKER = SHM_DIR.encode()
 
 
 READ_TIMEOUT_S = 3.0
+# Bytes read at most per file (issue 41): a process can point its cmdline or environ at gigabytes of memory of its own
+# (PR_SET_MM_MAP), and a reader without a cap spends seconds and its memory on each. What is cut is said (Truncated).
+ARGS_CAP = 1 << 20           # cmdline, environ
+MAPS_CAP = 16 << 20          # maps: 65530 mappings of usual paths fit many times
+DEFAULT_CAP = 1 << 20        # stat, status, cgroup, wchan, stack ...
+CAPS = {"cmdline": ARGS_CAP, "environ": ARGS_CAP, "maps": MAPS_CAP, "tcp": MAPS_CAP, "tcp6": MAPS_CAP}
 # Reads that take the target's memory-map lock (maps, and cmdline/environ through its memory): a process stuck in
 # the kernel can hold that lock, or make readers queue behind it, forever, and no signal ends the read.
 MM_LOCK_READ_RE = re.compile(r"/(\d+)/(?:task/\d+/)?(?:maps|cmdline|environ)$")
-_HEADER = struct.Struct("<IiII")  # request id, errno (0: read), size (bytes, or fd entries), length of the data
+_HEADER = struct.Struct("<IiIII")  # request id, errno (0: read), size (bytes, or fd entries), length of the data, 1: cut
 WHOLE, KEEP_LINES, FD_TARGETS = "R", "M", "F"
 BATCH = 128   # processes per batch of a scan: its requests stay well below a pipe's 64 KiB
 
-# Runs in the reader process: "ID OP KEEP PATH" per line on stdin (KEEP: markers joined by NUL, in hex, or -),
-# a header and the data (or the errno) per request on stdout. R: the file; M: its lines that hold a marker;
+# Runs in the reader process: "ID OP KEEP CAP PATH" per line on stdin (KEEP: markers joined by NUL, in hex, or -; CAP:
+# the bytes read at most), a header and the data (or the errno) per request on stdout, the header saying whether the
+# file had more than CAP. R: the file (its first CAP bytes); M: its lines that hold a marker;
 # F: the targets of an fd directory's links that start with a marker or socket:[, NUL-separated. An OP ending
 # in "." ends a batch, whose answers are flushed then; a read that has taken over 50 ms has the answers before
 # it flushed by a watchdog thread, so a missing answer is always the one being read.
 READER_SOURCE = r"""
 import os, struct, sys, threading, time
-header = struct.Struct("<IiII")
+header = struct.Struct("<IiIII")
 out = sys.stdout.buffer
 reading_since = [0.0]
 def watchdog():
@@ -53,15 +60,18 @@ def watchdog():
         if since and time.monotonic() - since > 0.05:
             out.flush()
 threading.Thread(target=watchdog, daemon=True).start()
-def whole(path):
+def whole(path, cap):
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        chunks = []
-        while True:
-            chunk = os.read(fd, 65536)
+        chunks, size = [], 0
+        while size <= cap:
+            chunk = os.read(fd, min(65536, cap + 1 - size))
             if not chunk:
-                return b"".join(chunks)
+                break
             chunks.append(chunk)
+            size += len(chunk)
+        data = b"".join(chunks)
+        return data[:cap], len(data) > cap
     finally:
         os.close(fd)
 def fd_targets(path, keep):
@@ -82,16 +92,17 @@ def fd_targets(path, keep):
         os.close(dir_fd)
 keeps = {b"-": None}
 for line in sys.stdin.buffer:
-    request, op, keep, path = line[:-1].split(b" ", 3)
+    request, op, keep, cap, path = line[:-1].split(b" ", 4)
     if keep not in keeps:
         keeps[keep] = tuple(bytes.fromhex(keep.decode()).split(b"\0"))
     keep = keeps[keep]
     reading_since[0] = time.monotonic()
+    cut = 0
     try:
         if op[:1] == b"F":
             size, data = fd_targets(path, keep)
         else:
-            data = whole(path)
+            data, cut = whole(path, int(cap))
             size = len(data)
             if op[:1] == b"M":
                 if any(k in data for k in keep):
@@ -102,7 +113,7 @@ for line in sys.stdin.buffer:
     except OSError as exc:
         code, size, data = exc.errno or 5, 0, b""
     reading_since[0] = 0.0
-    out.write(header.pack(int(request), code, size, len(data)))
+    out.write(header.pack(int(request), code, size, len(data), int(cut)))
     out.write(data)
     if op.endswith(b"."):
         out.flush()
@@ -116,6 +127,20 @@ def _keep_arg(keep):
     return (b"\0".join(keep) if isinstance(keep, tuple) else keep).hex().encode()
 
 
+class Truncated(bytes):
+    """The first bytes of a file that had more than its cap (cap_for): what was cut is unknown, never empty."""
+    truncated = True
+
+
+def is_truncated(data):
+    return bool(getattr(data, "truncated", False))
+
+
+def cap_for(path):
+    """The bytes read at most from a /proc file (by its name: cmdline, environ, maps ...)."""
+    return CAPS.get(path.rstrip("/").rsplit("/", 1)[-1], DEFAULT_CAP)
+
+
 class ReadBlocked(OSError):
     """A read of /proc/PID/... did not finish within the bounded wait: the process is `unreadable: blocked`."""
 
@@ -126,17 +151,21 @@ class ReadBlocked(OSError):
 
 
 def _direct_read(path):
+    """The file's first cap_for(path) bytes (Truncated when it had more)."""
+    cap = cap_for(path)
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
-        chunks = []
-        while True:
-            chunk = os.read(fd, 65536)
+        chunks, size = [], 0
+        while size <= cap:
+            chunk = os.read(fd, min(65536, cap + 1 - size))
             if not chunk:
                 break
             chunks.append(chunk)
-        return b"".join(chunks)
+            size += len(chunk)
     finally:
         os.close(fd)
+    data = b"".join(chunks)
+    return Truncated(data[:cap]) if len(data) > cap else data
 
 
 class _HelperFailed(Exception):
@@ -266,8 +295,8 @@ class BoundedReader(object):
         answered = []
         try:
             lane.proc.stdin.write(b"".join(
-                b"%d %s%s %s %s\n" % (ids[n], op.encode(), b"." if n == len(requests) - 1 else b"",
-                                      _keep_arg(keep), path.encode())
+                b"%d %s%s %s %d %s\n" % (ids[n], op.encode(), b"." if n == len(requests) - 1 else b"",
+                                         _keep_arg(keep), cap_for(path), path.encode())
                 for n, (op, path, keep) in enumerate(requests)))
             lane.proc.stdin.flush()
             end = time.monotonic() + self.timeout
@@ -275,14 +304,14 @@ class BoundedReader(object):
                 head = self._exactly(lane, _HEADER.size, end)
                 if head is None:
                     return answered, True
-                answer_to, code, size, length = _HEADER.unpack(head)
+                answer_to, code, size, length, cut = _HEADER.unpack(head)
                 data = self._exactly(lane, length, end) if length else b""
                 if data is None:
                     return answered, True
                 if answer_to != ids[len(answered)]:
                     continue  # an answer to an earlier request whose caller gave up: never this one's
                 path = requests[len(answered)][1]
-                answered.append(OSError(code, os.strerror(code), path) if code else (size, data))
+                answered.append(OSError(code, os.strerror(code), path) if code else (size, Truncated(data) if cut else data))
                 end = time.monotonic() + self.timeout
         except (OSError, ValueError) as exc:
             failed = _HelperFailed(str(exc))
@@ -421,7 +450,8 @@ def parse_status(text):
         elif key in ("PPid", "Tgid", "Pid", "Threads"):
             out[key.lower()] = int(value)
         elif key == "Uid":
-            out["uid"] = int(value.split()[0])
+            out["uids"] = [int(v) for v in value.split()]
+            out["uid"] = out["uids"][0]
         elif key == "NSpid":
             out["nspid"] = [int(v) for v in value.split()]
     return out
@@ -699,6 +729,9 @@ def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result):
         size, maps = 0, None
     else:
         size, maps = maps_answer
+    if is_truncated(maps):
+        _add_truncated(result, pid, stat, "%s/%d/maps" % (proc_root, pid))
+        return
     table_tid = pid
     defunct = False
     if not size:
@@ -722,6 +755,9 @@ def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result):
                 return
             except OSError:
                 maps = None
+            if is_truncated(maps):
+                _add_truncated(result, pid, stat, table_base + "/maps")
+                return
             fd_answer = READER.read_many([(FD_TARGETS, table_base + "/fd", devices.marker)])[0]
         elif maps is None:
             result.unreadable.append(pid)
@@ -771,6 +807,15 @@ def _add_blocked(result, proc_root, devices, pid, fd_dir):
     result.unreadable.append(pid)
 
 
+def _add_truncated(result, pid, stat, path):
+    """A process whose maps had more than its cap: unreadable, truncated; what was cut may map any GPU, so it may hold
+    every one (never "holds nothing") and is never signalled on a part of its maps."""
+    result.blocked.append({"pid": pid, "name": stat["comm"], "starttime": stat["starttime"], "reason": "truncated",
+                           "path": path, "cap_bytes": cap_for(path), "waited_s": None, "state": stat["state"],
+                           "wchan": None, "thread_states": {}, "blocked_threads": [], "fd_devices": None})
+    result.unreadable.append(pid)
+
+
 def read_stat(pid, proc_root="/proc"):
     """parse_stat of a live pid, or None when it is gone."""
     try:
@@ -780,11 +825,12 @@ def read_stat(pid, proc_root="/proc"):
 
 
 def read_cgroup(pid, proc_root="/proc"):
-    """parse_cgroup of a live pid, or None when it cannot be read."""
+    """parse_cgroup of a live pid, or None when it cannot be read (or had more than its cap: unknown)."""
     try:
-        return parse_cgroup(_direct_read("%s/%d/cgroup" % (proc_root, pid)).decode("utf-8", "replace"))
+        raw = _direct_read("%s/%d/cgroup" % (proc_root, pid))
     except OSError:
         return None
+    return None if is_truncated(raw) else parse_cgroup(raw.decode("utf-8", "replace"))
 
 
 def same_process(pid, starttime, proc_root="/proc"):

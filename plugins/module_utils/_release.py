@@ -268,26 +268,39 @@ class GpuLocks(object):
 class _ContainerLocks(object):
     """The node's GPU locks, then each scoped container's own (through its init's root), so that a
     node-side release never races one running inside that container. A container's lock file that is
-    a file already held (the node's, or another scoped container's) is taken once (GpuLocks `held`)."""
+    a file already held (the node's, or another scoped container's) is taken once (GpuLocks `held`).
+    Each container's lock stands alone (issue 41): one that cannot be taken (a link or a wrong owner planted
+    there, held past the wait, an error) leaves that container out (`skipped`, {vmid: why}); the others go on."""
 
     def __init__(self, node_locks, proc_root, scope, keys, timeout):
         self.all = [node_locks]
+        self.skipped = {}
         self.waited_s = node_locks.waited_s
         inits = node.container_inits(proc_root)
         try:
             for vmid in sorted(scope.containers, key=int):
-                init = inits.get(vmid)
-                if init is None:
-                    continue  # not running: nothing in it can release
-                uid, gid = node.owner_of(init, proc_root)
-                rooted = node.RootLockDir("%s/%d/root" % (proc_root, init), LOCK_DIR.strip("/").split("/"), uid, gid)
-                locks = GpuLocks(rooted=rooted, held=node_locks.held)
-                self.all.append(locks)
-                locks.acquire(keys, max(0.0, timeout - (self.waited_s - node_locks.waited_s)))
-                self.waited_s += locks.waited_s
+                if inits.get(vmid) is not None:   # not running: nothing in it can release
+                    self._take(vmid, inits[vmid], proc_root, node_locks.held, keys,
+                               max(0.0, timeout - (self.waited_s - node_locks.waited_s)))
         except BaseException:
             self.release()
             raise
+
+    def _take(self, vmid, init, proc_root, held, keys, timeout):
+        started = time.monotonic()
+        locks = None
+        try:
+            uid, gid = node.owner_of(init, proc_root)
+            rooted = node.RootLockDir("%s/%d/root" % (proc_root, init), LOCK_DIR.strip("/").split("/"), uid, gid)
+            locks = GpuLocks(rooted=rooted, held=held)
+            locks.acquire(keys, timeout)
+            self.all.append(locks)
+        except (LockTimeout, LockDirError, OSError) as exc:
+            if locks is not None:
+                locks.release()
+            self.skipped[vmid] = ("container %s: its GPU lock could not be taken (%s); nothing of it was signalled or "
+                                  "stopped" % (vmid, exc))
+        self.waited_s += time.monotonic() - started
 
     def release(self):
         for locks in self.all:
@@ -1463,6 +1476,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         return releaser.scope if releaser.own_only else None
 
     skipped = dict(opts.get("skipped_containers") or {})
+    lock_skipped = {}   # vmid -> why its own lock could not be taken (left out, the task fails naming it)
     refused = {}     # vmid -> the refusals that left it out
     if progress is not None:
         progress["releaser"] = releaser
@@ -1498,6 +1512,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         if releaser.left_changed and "left changed" not in msg:
             failed = True
             msg += "; %s" % releaser.failure_of_restores()
+        if lock_skipped:
+            failed = True
+            msg += "; left out: %s" % "; ".join(lock_skipped[v] for v in sorted(lock_skipped, key=int))
         unknown = [e for e in result["per_container"] if e["verdict"] == "unknown"]
         if unknown:
             failed = True
@@ -1549,6 +1566,15 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         except (LockTimeout, LockDirError) as exc:
             locks.release()
             return True, "%s; nothing was signalled" % exc, dict(result, elapsed_s=round(time.monotonic() - started, 3))
+        lock_skipped.update(getattr(locks, "skipped", {}))
+        if lock_skipped:
+            skipped.update(lock_skipped)
+            releaser.leave_out(set(lock_skipped))
+            if not (releaser.scope.containers or releaser.scope.host_processes):
+                locks.release()
+                return True, "no container in scope could be locked, nothing was signalled: %s" % "; ".join(
+                    lock_skipped[v] for v in sorted(lock_skipped, key=int)), dict(
+                    result, per_container=skipped_entries(skipped), elapsed_s=round(time.monotonic() - started, 3))
         result["lock_wait_s"] = round(locks.waited_s, 3)
         result["lock_acquired_at"] = round(time.time(), 3)
     read_shm(True)

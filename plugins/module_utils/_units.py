@@ -13,7 +13,6 @@ No AnsibleModule here.
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 
@@ -109,39 +108,47 @@ def find(record, proc_root="/proc"):
 
 
 def node_service(record, proc_root="/proc"):
-    """The node's own service manager entry of a daemon running on the node (not in a container): systemd (its
-    cgroup is system.slice/NAME.service) or a supervisord program. A dict kind, name, stop, start (argv run on
-    the node), evidence; or None."""
-    if record.get("container") not in (None, node.HOST):
+    """The node's own service manager entry of a daemon of the node: a dict kind, name, stop, start (argv run on the
+    node), evidence; or None. Only a process of the node's root (its namespaces read and the node's, every uid 0), in
+    a systemd system unit (system.slice/NAME.service, never a user's slice) or a program of a root supervisord of the
+    node; the manager's tool is the one of a fixed system folder (node.system_tool), never one a process names. An
+    unread cgroup or container is unknown: None (issue 41)."""
+    cgroup = record.get("cgroup")
+    if record.get("container") != node.HOST or node.where_of_cgroup(cgroup) != node.HOST or node.in_user_slice(cgroup):
         return None
-    unit = respawn.service_unit(record.get("cgroup"))
-    if unit and _UNIT_RE.match(unit):
-        return {"kind": "systemd", "name": unit, "stop": ["systemctl", "stop", unit], "start": ["systemctl", "start", unit],
-                "evidence": "its cgroup is %s" % record.get("cgroup")}
-    parent = procscan.read_stat(record.get("ppid") or 0, proc_root) if record.get("ppid") else None
-    if parent is None or parent["comm"] != "supervisord":
+    if not node.node_root_process(record["pid"], proc_root):
         return None
-    program = supervisord_program(record["pid"], record["ppid"], proc_root)
-    if program is None:
+    unit = respawn.service_unit(cgroup)
+    if unit:
+        return _systemd_service(unit, cgroup)
+    return _supervisord_service(record, proc_root)
+
+
+def _systemd_service(unit, cgroup):
+    systemctl = node.system_tool("systemctl")
+    if not _UNIT_RE.match(unit) or "system.slice" not in cgroup.split("/") or systemctl is None:
+        return None
+    return {"kind": "systemd", "name": unit, "stop": [systemctl, "stop", unit], "start": [systemctl, "start", unit],
+            "evidence": "its cgroup is %s" % cgroup}
+
+
+def _supervisord_service(record, proc_root):
+    """record's program under its parent, a supervisord of the node's root (its cgroup no user's), or None."""
+    ppid = record.get("ppid")
+    parent = procscan.read_stat(ppid, proc_root) if ppid else None
+    if parent is None or parent["comm"] != "supervisord" or not node.node_root_process(ppid, proc_root):
+        return None
+    parent_cgroup = procscan.read_cgroup(ppid, proc_root)
+    if node.where_of_cgroup(parent_cgroup) != node.HOST or node.in_user_slice(parent_cgroup):
+        return None
+    program = supervisord_program(record["pid"], ppid, proc_root)
+    supervisorctl = node.system_tool("supervisorctl")
+    if program is None or supervisorctl is None:
         return None
     full, conf = program
-    ctl = [supervisorctl_of(record["ppid"], proc_root)] + (["-c", conf] if conf else [])
+    ctl = [supervisorctl] + (["-c", conf] if conf else [])
     return {"kind": "supervisord", "name": full, "stop": ctl + ["stop", full], "start": ctl + ["start", full],
-            "evidence": "pid %d runs under supervisord (pid %d) as program %s" % (record["pid"], record["ppid"], full)}
-
-
-def supervisorctl_of(pid, proc_root):
-    """The supervisorctl beside a supervisord's own script (a virtualenv's bin), else the one on PATH."""
-    try:
-        argv = [a.decode("utf-8", "replace") for a in procscan.read_bytes("%s/%d/cmdline" % (proc_root, pid)).split(b"\0")]
-    except OSError:
-        argv = []
-    for arg in argv[:2]:
-        if arg.endswith("/supervisord"):
-            sibling = arg[:-len("supervisord")] + "supervisorctl"
-            if os.path.isfile(sibling):
-                return sibling
-    return "supervisorctl"
+            "evidence": "pid %d runs under supervisord (pid %d) as program %s" % (record["pid"], ppid, full)}
 
 
 def run_on_node(argv, timeout, done="done"):

@@ -553,6 +553,13 @@ holders:
       description: Command line with secrets masked; null when O(cmdline=false).
       type: str
       sample: python3 serve.py --api-key ********
+    truncated:
+      description:
+        - The files of this process that had more bytes than are read (C(cmdline) over 1 MiB; a process can point it at
+          any amount of its own memory); what was cut is never matched against O(gpuops.fleet.gpu_release#module:protect).
+      type: list
+      elements: str
+      sample: []
 protected_holders:
   description: Ancestors of the module that hold a GPU (same fields as RV(holders)); never signalled, never left out of the verdict.
   returned: success
@@ -564,6 +571,8 @@ unreadable:
     - Processes whose C(/proc/PID/maps) or C(cmdline) read did not finish within a bounded wait (a thread stuck in the
       kernel holds, or queues behind, their memory-map lock), with C(reason) C(blocked), C(path), C(state),
       C(wchan), C(waited_s), the device files they have open and C(may_hold).
+    - Processes whose C(/proc/PID/maps) has more than 16 MiB (the bytes read at most), with C(reason) C(truncated),
+      C(path) and C(cap_bytes); C(may_hold) is true for every GPU, and they are never signalled.
   returned: success
   type: list
   elements: dict

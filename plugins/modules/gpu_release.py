@@ -93,7 +93,9 @@ options:
       - On a node, a release with neither O(containers) nor O(host_processes) fails before any signal.
       - Inside a container, setting it fails the task (a container sees only its own processes).
       - The release also takes each listed container's own per-GPU locks (through C(/proc/INIT/root/run/lock)), so
-        it never races a release running inside that container.
+        it never races a release running inside that container. A container whose lock cannot be taken (a link or a
+        wrong owner planted there, never followed; a lock held past O(lock_timeout)) is left out with verdict
+        C(skipped) and the reason in RV(per_container); the others are released, and the task then fails naming it.
       - A listed container whose config carries a C(lock) (backup, migrate, snapshot) is left out before
         anything, with verdict C(skipped) in RV(per_container); the others are released, and the task then fails
         naming the lock.

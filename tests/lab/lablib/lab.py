@@ -208,6 +208,10 @@ class Lab:
         smi = os.path.join(LAB_DIR, "driver", "nvidia-smi")
         write_file(os.path.join(sbin, "nvidia-smi"),
                    "#!/bin/sh\nexec %s %s \"$@\"\n" % (VENV + "/bin/python", smi), 0o755)
+        # the MPS control tool where NVIDIA's packages put it in a container (its /usr/local/sbin and /usr/bin): the
+        # node-side release asks a container's daemon by the tool's name, never by a path a process shows (issue 41)
+        write_file(os.path.join(sbin, "nvidia-cuda-mps-control"),
+                   "#!/bin/sh\nexec /usr/bin/python3 %s \"$@\"\n" % os.path.join(LAB_DIR, "driver", "mps_control.py"), 0o755)
         for tool in ("supervisorctl", "supervisord"):
             # the lab's config unless the caller names one (gpu_release names supervisord's own -c)
             write_file(os.path.join(sbin, tool),
@@ -264,6 +268,9 @@ class Lab:
                    % (py, os.path.join(LAB_DIR, "node", "pct"), ndir), 0o755)
         # The fake nvidia-smi on the node's /usr/bin (overlay), where Debian's NVIDIA packages put it.
         shutil.copy2(os.path.join(self.state, "sbin", "nvidia-smi"), os.path.join(ndir, "bin", "nvidia-smi"))
+        # supervisorctl where Debian's supervisor package puts it: the node's root runs its tools from system folders
+        # only, never one beside a process's own path (issue 41)
+        shutil.copy2(os.path.join(self.state, "sbin", "supervisorctl"), os.path.join(ndir, "bin", "supervisorctl"))
         _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", node, "-f", os.path.join(ndir, "ssh_host_ed25519_key")])
         self._node_user(ndir)
         write_file(os.path.join(ndir, "sshd_config"), sshd_config(self.state, ndir, address))

@@ -21,7 +21,8 @@ print(answers.get(command, "0" if command.startswith("terminate_client ") else "
 '''
 
 
-def test_the_control_daemon_is_found_and_asked_with_its_pipe_directory(tmp_path):
+def test_the_control_daemon_is_found_and_asked_with_its_pipe_directory(tmp_path, monkeypatch):
+    monkeypatch.setattr(mps, "BIN_DIRS", (str(tmp_path),))   # the tool of a fixed system folder (issue 41)
     tool = tmp_path / "nvidia-cuda-mps-control"
     tool.write_text(TOOL % sys.executable)
     tool.chmod(0o755)

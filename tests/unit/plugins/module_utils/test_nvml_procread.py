@@ -101,7 +101,7 @@ def test_an_answer_to_an_earlier_request_is_skipped(proc, reader):
     assert b"/dev/nvidia0" in procscan.read_bytes(os.path.join(proc.root, "610", "maps"))
     stale = os.path.join(proc.root, "610", "maps").encode()
     helper = reader.lanes[0].proc
-    helper.stdin.write(b"%d R - %s\n" % (reader.requests - 1, stale))   # answered, never read
+    helper.stdin.write(b"%d R - %d %s\n" % (reader.requests - 1, procscan.MAPS_CAP, stale))   # answered, never read
     helper.stdin.flush()
     answer = procscan.read_bytes(os.path.join(proc.root, "611", "maps"))
     assert b"/dev/nvidia1" in answer and b"/dev/nvidia0" not in answer and reader.started == 1

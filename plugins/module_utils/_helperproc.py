@@ -11,9 +11,11 @@ in the driver (nvidia-smi --gpu-reset, pct) run the same way: run_bounded().
 from __future__ import annotations
 
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 
 
 def spawn(source, args=(), python_flags=()):
@@ -40,6 +42,7 @@ def abandon(proc):
         proc.returncode = -signal.SIGKILL  # init reaps it once the call returns
 
 
+MAX_OUTPUT = 1 << 20   # bytes of a command's output kept (a container's python3 or tool may print without end)
 KILL_WAIT_S = 2.0   # after SIGKILL, how long a timed-out command is waited for before it is abandoned
 
 
@@ -48,6 +51,28 @@ def _kill_session(proc):
         os.killpg(proc.pid, signal.SIGKILL)
     except OSError:
         pass
+
+
+def _read_capped(proc, timeout, cap):
+    """proc's output until it ends, of which the first cap bytes are kept (a note says the rest was cut: a command
+    run in a container may print without end); subprocess.TimeoutExpired past timeout."""
+    end = time.monotonic() + timeout
+    fd = proc.stdout.fileno()
+    kept, size = [], 0
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            raise subprocess.TimeoutExpired(proc.args, timeout)
+        if not select.select([fd], [], [], left)[0]:
+            continue
+        data = os.read(fd, 65536)
+        if not data:
+            break
+        kept.append(data[:max(0, cap - size)])
+        size += len(data)
+    proc.wait(max(0.0, end - time.monotonic()))
+    out = b"".join(kept)
+    return out if size <= cap else out + b"\n[output cut: %d bytes, %d kept]" % (size, cap)
 
 
 def run_bounded(cmd, timeout, env=None, kill_wait=KILL_WAIT_S):
@@ -62,7 +87,7 @@ def run_bounded(cmd, timeout, env=None, kill_wait=KILL_WAIT_S):
                             close_fds=True, start_new_session=True, env=env)
     finished = False
     try:
-        out = proc.communicate(timeout=timeout)[0]
+        out = _read_capped(proc, timeout, MAX_OUTPUT)
         finished = True
     except subprocess.TimeoutExpired:
         raise subprocess.TimeoutExpired(cmd, timeout)

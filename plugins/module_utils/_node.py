@@ -123,6 +123,16 @@ def _overflow_uid():
         return 65534
 
 
+def _initial_user_namespace():
+    """True in the node's own user namespace (the identity map of every uid), where the overflow uid is a real user
+    (nobody), whose files are no root's; False in a user namespace (a lab node), where it is an unmapped owner."""
+    try:
+        with open("/proc/self/uid_map") as handle:
+            return handle.read().split() == ["0", "0", "4294967295"]
+    except OSError:
+        return True
+
+
 def system_tool(name, dirs=None):
     """The path of tool name in a fixed system folder: a regular executable file that only root may write (owned by
     root, or by no one mapped here: a read-only rootfs seen from a user namespace); None when there is none."""
@@ -132,7 +142,7 @@ def system_tool(name, dirs=None):
             st = os.stat(path)
         except OSError:
             continue
-        owner_ok = st.st_uid == 0 or st.st_uid == _overflow_uid()
+        owner_ok = st.st_uid == 0 or (st.st_uid == _overflow_uid() and not _initial_user_namespace())
         if stat_mod.S_ISREG(st.st_mode) and owner_ok and st.st_mode & 0o111 and not st.st_mode & 0o022:
             return path
     return None

@@ -112,15 +112,19 @@ def node_service(record, proc_root="/proc"):
     node), evidence; or None. Only a process of the node's root (its namespaces read and the node's, every uid 0), in
     a systemd system unit (system.slice/NAME.service, never a user's slice) or a program of a root supervisord of the
     node; the manager's tool is the one of a fixed system folder (node.system_tool), never one a process names. An
-    unread cgroup or container is unknown: None (issue 41)."""
+    unread cgroup or container is unknown: None (issue 41). A process of a system unit may have dropped root
+    (nvidia-persistenced --user): only the system manager puts a process in system.slice, so there its namespaces
+    being the node's suffice."""
     cgroup = record.get("cgroup")
     if record.get("container") != node.HOST or node.where_of_cgroup(cgroup) != node.HOST or node.in_user_slice(cgroup):
         return None
-    if not node.node_root_process(record["pid"], proc_root):
+    if node.in_own_namespaces(record["pid"], proc_root) is not True:
         return None
     unit = respawn.service_unit(cgroup)
     if unit:
         return _systemd_service(unit, cgroup)
+    if not node.node_root_process(record["pid"], proc_root):
+        return None
     return _supervisord_service(record, proc_root)
 
 

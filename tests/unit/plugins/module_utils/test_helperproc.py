@@ -60,3 +60,13 @@ def test_an_exception_during_the_wait_kills_the_session_first(tmp_path):
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
     assert wait_gone(int(record.read_text())), "the command's child outlived the interrupted wait"
+
+
+def test_a_command_that_prints_without_end_keeps_at_most_the_cap():
+    """Issue 41: a container's python3 answers the node's probe with 64 MiB: the node keeps 1 MiB and says so."""
+    import sys
+    rc, out = helperproc.run_bounded([sys.executable, "-c", "import os; os.write(1, b'x' * (64 << 20))"], 30)
+    assert rc == 0 and out.startswith("x" * 1000) and len(out) < helperproc.MAX_OUTPUT + 100
+    assert out.endswith("[output cut: %d bytes, %d kept]" % (64 << 20, helperproc.MAX_OUTPUT)), out[-80:]
+    rc, out = helperproc.run_bounded([sys.executable, "-c", "print('short')"], 30)
+    assert (rc, out) == (0, "short\n")

@@ -124,6 +124,24 @@ def test_a_root_system_service_of_the_node_is_stopped_with_the_managers_tool_of_
     assert program["stop"] == [supervisorctl, "-c", "/etc/s.conf", "stop", "nvidia-persistenced:nvidia-persistenced"]
 
 
+def test_a_system_units_daemon_that_dropped_root_is_still_its_service_and_a_users_supervisord_never(proc, tmp_path,
+                                                                                                       monkeypatch):
+    """Debian's nvidia-persistenced runs as its own user in a system unit: only the system manager puts a process in
+    system.slice, so the unit is a node service whatever the uid; a non-root supervisord's program never is."""
+    monkeypatch.setattr(node, "SYSTEM_BIN_DIRS", (str(tmp_path / "usr-bin"),))
+    systemctl = tool(tmp_path / "usr-bin", "systemctl")
+    tool(tmp_path / "usr-bin", "supervisorctl")
+    cgroup = "/system.slice/nvidia-persistenced.service"
+    proc.add(45, comm="nvidia-persiste", uid=112, cgroup="0::%s\n" % cgroup)
+    proc.add(46, comm="supervisord", uid=1000, argv=["/usr/bin/python3", "/usr/bin/supervisord"], cgroup="0::/supervisor\n")
+    proc.add(47, comm="nvidia-persiste", ppid=46, uid=1000, cgroup="0::/supervisor\n")
+    environ(proc, 47, SUPERVISOR_PROCESS_NAME="nvidia-persistenced")
+    node_namespaces(proc, 45, 46, 47)
+    unit = units.node_service({"pid": 45, "ppid": 1, "container": node.HOST, "cgroup": cgroup}, proc.root)
+    assert unit["stop"] == [systemctl, "stop", "nvidia-persistenced.service"], unit
+    assert units.node_service({"pid": 47, "ppid": 46, "container": node.HOST, "cgroup": "/supervisor"}, proc.root) is None
+
+
 def test_a_process_whose_cgroup_cannot_be_read_is_unknown_never_the_nodes(proc, monkeypatch):
     """Its cgroup file unreadable: it was a process of the node (host), signalled with host_processes and a node
     daemon for the reset. It is unknown: out of every scope, no node service."""

@@ -427,9 +427,9 @@ def test_stopped_container_on_put(local_node, tmp_path):
     src = tmp_path / 'f'
     src.write_bytes(b'x')
     configure(local_node, {'ansible_host': NODE, 'pct_vmid': 102,
-                            'ansible_ssh_executable': local_node.get_option('ssh_executable'),
-                            'pct_executable': local_node.get_option('pct_executable'),
-                            'ansible_ssh_args': '', 'ansible_user': 'root'})
+                           'ansible_ssh_executable': local_node.get_option('ssh_executable'),
+                           'pct_executable': local_node.get_option('pct_executable'),
+                           'ansible_ssh_args': '', 'ansible_user': 'root'})
     with pytest.raises(AnsibleConnectionFailure, match="container '102' not running!"):
         local_node.put_file(str(src), '/tmp/x')
 
@@ -771,8 +771,8 @@ def test_a_transfer_stuck_on_the_node_ends_at_transfer_timeout(local_node, tmp_p
     src = tmp_path / 'f'
     src.write_bytes(b'x')
     configure(local_node, {'ansible_host': NODE, 'pct_vmid': 101, 'pct_transfer_timeout': 1,
-                            'ansible_ssh_executable': local_node.get_option('ssh_executable'),
-                            'pct_executable': str(hung_pct), 'ansible_ssh_args': '', 'ansible_user': 'root'})
+                           'ansible_ssh_executable': local_node.get_option('ssh_executable'),
+                           'pct_executable': str(hung_pct), 'ansible_ssh_args': '', 'ansible_user': 'root'})
     for transfer in (lambda: local_node.put_file(str(src), str(tmp_path / 'copy')),
                      lambda: local_node.fetch_file(str(src), str(tmp_path / 'back'))):
         started = time.monotonic()

@@ -21,6 +21,11 @@ notes:
   - "Host variables are named C(ansible_pct_*) (C(ansible_pct_vmid), C(ansible_pct_exec_method), ...), as ansible-core
     names a connection's own variables. The older C(pct_*) names are aliases: they keep working, are deprecated, and
     go in 1.0.0. Where both are set, C(ansible_pct_*) wins."
+  - "Facts cannot steer it. A container's root controls what every task in it returns, facts included, and facts
+    outrank inventory variables. A fact named like one of this plugin's host variables (C(ansible_pct_vmid),
+    C(pct_vmid), C(proxmox_vmid), C(ansible_pct_exec_method), ...) fails the task naming it, before anything runs on
+    the node. The executables (O(pct_executable), O(lxc_attach_executable), O(ssh_executable)) come from configuration
+    only. Set C(inject_facts_as_vars = False) as well (see the security guide)."
   - The node is O(host) (C(ansible_host)). A container runs only on one node at a time and moves on migration;
     the inventory must say where it is now. A wrong node fails with a message that names the node.
   - O(exec_method=lxc-attach) skips pct's Perl start-up (about 0.3 s a call). It also skips what pct checks
@@ -147,12 +152,11 @@ options:
         - This defines the location of the SSH binary. It defaults to V(ssh) which will use the first SSH binary available in $PATH.
         - This option is usually not required, it might be useful when access to system SSH is restricted,
           or when using SSH wrappers to connect to remote hosts.
+        - Only configuration sets it (environment or ini), never a host variable (see O(pct_executable)).
       type: string
       env: [{name: ANSIBLE_SSH_EXECUTABLE}]
       ini:
       - {key: ssh_executable, section: ssh_connection}
-      vars:
-          - name: ansible_ssh_executable
   ssh_extra_args:
       description: Extra exclusive to the SSH CLI.
       type: string
@@ -394,26 +398,25 @@ options:
       - section: pct_connection
         key: node_become
   pct_executable:
-    description: Path of C(pct) on the node.
+    description:
+      - Path of C(pct) on the node.
+      - Only configuration sets it (C(ANSIBLE_PCT_EXECUTABLE) or the ini key), never a host variable. The node's SSH
+        user (root) runs it, and a host variable can be outranked by a fact that the container returns.
+        The host variables C(pct_executable) and C(ansible_pct_executable) were removed in 0.3.0.
     type: string
     default: /usr/sbin/pct
-    vars:
-      - name: pct_executable
-      - name: ansible_pct_executable
-        version_added: 0.2.0
     env:
       - name: ANSIBLE_PCT_EXECUTABLE
     ini:
       - section: pct_connection
         key: pct_executable
   lxc_attach_executable:
-    description: Path of C(lxc-attach) on the node, for O(exec_method=lxc-attach).
+    description:
+      - Path of C(lxc-attach) on the node, for O(exec_method=lxc-attach).
+      - Only configuration sets it, never a host variable (see O(pct_executable)). The host variables
+        C(pct_lxc_attach_executable) and C(ansible_pct_lxc_attach_executable) were removed in 0.3.0.
     type: string
     default: /usr/bin/lxc-attach
-    vars:
-      - name: pct_lxc_attach_executable
-      - name: ansible_pct_lxc_attach_executable
-        version_added: 0.2.0
     env:
       - name: ANSIBLE_PCT_LXC_ATTACH_EXECUTABLE
     ini:
@@ -455,6 +458,17 @@ options:
     ini:
       - section: pct_connection
         key: command_timeout
+  _facts:
+    description:
+      - Internal, never set it. The host's C(ansible_facts), read so that a fact named like one of this plugin's
+        variables (a fact that a module in the container returned, or that the fact cache holds) fails the task
+        instead of choosing the container, the node, or how they are reached. Facts outrank inventory variables,
+        and ansible-core keeps only its builtin connections' variables out of them.
+      - With C(inject_facts_as_vars = False) (C(ANSIBLE_INJECT_FACT_VARS=False)) a fact cannot set a variable, so
+        such a fact is only warned about.
+    type: raw
+    vars:
+      - name: ansible_facts
 """
 
 EXAMPLES = r"""
@@ -502,12 +516,14 @@ import tempfile
 import time
 import typing as t
 
+from ansible import constants as C
 from ansible.errors import AnsibleAuthenticationFailure, AnsibleConnectionFailure, AnsibleError, AnsibleFileNotFound
 from ansible.module_utils.common.text.converters import to_bytes, to_native, to_text
 from ansible.plugins.connection import ConnectionBase
 from ansible.plugins.connection.ssh import AnsibleControlPersistBrokenPipeError, Connection as SSHConnection
 from ansible.utils.display import Display
 from ansible.utils.path import unfrackpath
+from ansible.vars import clean as core_clean
 
 display = Display()
 
@@ -554,6 +570,47 @@ def _exited_within(process: subprocess.Popen, seconds: float) -> bool:
     return True
 
 
+class _Quiet:
+    """A Display stand-in that drops warnings (clean_facts warns about every name it removes)."""
+
+    @staticmethod
+    def warning(*args: t.Any, **kwargs: t.Any) -> None:
+        pass
+
+
+_REACHABLE: dict[tuple[str, ...], frozenset[str]] = {}
+
+
+def fact_reachable_vars(names: t.Iterable[str]) -> frozenset[str]:
+    """The variable names among names that a fact of the same name sets when inject_facts_as_vars is on: those that
+    ansible-core's own clean_facts (lib/ansible/vars/clean.py) does not remove. It removes the builtin connections'
+    variables (ansible_host, ansible_user, ansible_ssh_*, ...), never a collection's (ansible_pct_*, pct_vmid)."""
+    key = tuple(sorted(set(names)))
+    if key not in _REACHABLE:
+        display_was = core_clean.display
+        core_clean.display = _Quiet()
+        try:
+            kept = core_clean.clean_facts(dict.fromkeys(key))
+        finally:
+            core_clean.display = display_was
+        _REACHABLE[key] = frozenset(kept)
+    return _REACHABLE[key]
+
+
+def colliding_facts(facts: t.Mapping[str, t.Any] | None, names: t.Iterable[str]) -> list[tuple[str, str]]:
+    """(fact, variable) pairs: a key of ansible_facts that a fact named like a variable among names left there.
+
+    ansible_facts holds a fact without its ansible_ prefix: a fact ansible_pct_vmid and a fact pct_vmid are both
+    ansible_facts.pct_vmid, so each key stands for both names."""
+    reachable = fact_reachable_vars(name for name in names if name != 'ansible_facts' and '[' not in name)
+    pairs = []
+    for key in sorted(facts or {}):
+        for name in (key, 'ansible_' + key):
+            if name in reachable:
+                pairs.append((key, name))
+    return pairs
+
+
 class _SSHFailed(AnsibleConnectionFailure):
     """SSH did not run the node command: retried per reconnection_retries."""
 
@@ -567,6 +624,35 @@ class Connection(SSHConnection):
     def __init__(self, *args: t.Any, **kwargs: t.Any) -> None:
         super().__init__(*args, **kwargs)
         self._markers = (b'', b'', b'')
+
+    # -- options: facts must not choose them ----------------------------------------------------
+
+    def set_options(self, task_keys: dict[str, t.Any] | None = None, var_options: dict[str, t.Any] | None = None,
+                    direct: dict[str, t.Any] | None = None) -> None:
+        super().set_options(task_keys=task_keys, var_options=var_options, direct=direct)
+        self._refuse_colliding_facts()
+
+    def _refuse_colliding_facts(self) -> None:
+        """Fail (with inject_facts_as_vars on) or warn (off) when a fact is named like one of this plugin's variables.
+
+        A container's root controls its python3, so any task in it can return ansible_facts; a fact outranks the
+        inventory's host variables, and ansible-core filters only its builtin connections' names out of facts."""
+        pairs = colliding_facts(self.get_option('_facts'), C.config.get_plugin_vars('connection', self._load_name))
+        if not pairs:
+            return
+        by_key: dict[str, list[str]] = {}
+        for key, name in pairs:
+            by_key.setdefault(key, []).append(name)
+        names = ', '.join('%s (ansible_facts.%s)' % (' or '.join(found), key) for key, found in by_key.items())
+        if C.INJECT_FACTS_AS_VARS:
+            raise AnsibleError(
+                'gpuops.fleet.pct: refused: this host has facts named like the connection variables %s. A module that '
+                'ran in the container returned them, or the fact cache holds them; facts outrank the inventory, so they '
+                'would choose the container, the node or how they are reached. Nothing was run. Clear the facts '
+                '(meta: clear_facts, or the fact cache) and set inject_facts_as_vars = False (ANSIBLE_INJECT_FACT_VARS='
+                'False) so that no fact can become a variable.' % names)
+        display.warning('gpuops.fleet.pct: this host has facts named like the connection variables %s; ignored, since '
+                        'inject_facts_as_vars is off and a fact cannot set a variable.' % names)
 
     # -- the command the node runs --------------------------------------------------------------
 
@@ -687,8 +773,9 @@ class Connection(SSHConnection):
                 % (vmid, elsewhere.group(1), self.host, elsewhere.group(1), vmid))
         if self._tool_missing(rc, text, tool):
             return AnsibleConnectionFailure(
-                '%s not found on node %s: is it a Proxmox VE node? Set pct_executable (or '
-                'pct_lxc_attach_executable) if the tool lives elsewhere.' % (tool, node))
+                '%s not found on node %s: is it a Proxmox VE node? Set ANSIBLE_PCT_EXECUTABLE (or '
+                'ANSIBLE_PCT_LXC_ATTACH_EXECUTABLE, or the [pct_connection] ini keys) if the tool lives elsewhere.'
+                % (tool, node))
         if self.get_option('node_become') and 'sudo' in text and any(p in text for p in _SUDO_PROBLEMS):
             return AnsibleConnectionFailure(
                 'node_become: sudo on node %s refused to run %s without a password (%s); add a NOPASSWD sudoers '

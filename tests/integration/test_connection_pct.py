@@ -102,7 +102,7 @@ def lab():
 
 
 def run_play(lab, tasks, *, pipelining=True, hosts='ct101', extra_vars=None, inventory=None, verbose=False,
-             forks=5, cp_dir=None):
+             forks=5, cp_dir=None, extra_env=None):
     """ansible-playbook on one play; returns (rc, output, results saved by `save` tasks)."""
     out_dir = tempfile.mkdtemp(dir=lab.workdir)
     play = [{
@@ -123,6 +123,7 @@ def run_play(lab, tasks, *, pipelining=True, hosts='ct101', extra_vars=None, inv
                ANSIBLE_NOCOLOR='1', ANSIBLE_RETRY_FILES_ENABLED='0', ANSIBLE_LOCAL_TEMP=os.path.join(out_dir, 'tmp'),
                PATH=VENV_BIN + os.pathsep + os.environ.get('PATH', ''))
     env.pop('ANSIBLE_CONFIG', None)
+    env.update(extra_env or {})
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=out_dir, check=False)
     results = {}
     for name in os.listdir(out_dir):
@@ -289,7 +290,7 @@ def test_container_on_another_node(lab):
 
 
 def test_missing_pct(lab):
-    rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], extra_vars={'pct_executable': '/usr/sbin/pct-gone'})
+    rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], extra_env={'ANSIBLE_PCT_EXECUTABLE': '/usr/sbin/pct-gone'})
     assert rc != 0
     assert_one_clear_line(out, 'ct101', '/usr/sbin/pct-gone not found on node')
 
@@ -522,7 +523,7 @@ def test_b2_pct_error_with_errno_exit_code_is_recognised(lab):
                 'grep -q "does not exist" /tmp/b12-pct-err.$$ && rc=2\nrm -f /tmp/b12-pct-err.$$\nexit $rc\n')
     os.chmod(wrapper, 0o755)
     rc, out, dummy = run_play(lab, [{'ansible.builtin.ping': None}], hosts='ct201',
-                              extra_vars={'ansible_host': lab.nodes['pve1'], 'pct_executable': wrapper})
+                              extra_vars={'ansible_host': lab.nodes['pve1']}, extra_env={'ANSIBLE_PCT_EXECUTABLE': wrapper})
     assert rc != 0
     assert_one_clear_line(out, 'ct201', 'container 201 is not on node pve1 (%s)' % lab.nodes['pve1'])
 

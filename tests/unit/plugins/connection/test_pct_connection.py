@@ -19,6 +19,7 @@ import warnings
 
 import pytest
 
+from ansible import constants as C
 from ansible.errors import AnsibleAuthenticationFailure, AnsibleConnectionFailure, AnsibleError
 from ansible.playbook.play_context import PlayContext
 from ansible.plugins.loader import connection_loader, init_plugin_loader
@@ -26,15 +27,29 @@ from ansible.plugins.loader import connection_loader, init_plugin_loader
 with warnings.catch_warnings():  # another test module may have set the collection loader up already
     warnings.simplefilter('ignore', UserWarning)
     init_plugin_loader()
+from ansible_collections.gpuops.fleet.plugins.connection import pct as pct_plugin  # noqa: E402  (after the loader)
 
 NODE = '127.0.9.1'
+
+
+# The executables come from configuration only (issue 41): these tests give them as direct options, as an ini key or
+# an environment variable would, under the names they had as host variables.
+CONFIGURED = {'ansible_ssh_executable': 'ssh_executable', 'pct_executable': 'pct_executable',
+              'pct_lxc_attach_executable': 'lxc_attach_executable'}
+
+
+def configure(conn, variables):
+    """set_options with variables, the executables among them as configuration."""
+    direct = {CONFIGURED[k]: v for k, v in variables.items() if k in CONFIGURED and v is not None}
+    conn.set_options(var_options={k: v for k, v in variables.items() if k not in CONFIGURED and v is not None},
+                     direct=direct)
 
 
 def make_conn(**variables):
     conn = connection_loader.get('gpuops.fleet.pct', PlayContext())
     base = {'ansible_host': NODE, 'pct_vmid': 101}
     base.update(variables)
-    conn.set_options(var_options={k: v for k, v in base.items() if v is not None})
+    configure(conn, base)
     conn.host = conn.get_option('host')
     return conn
 
@@ -56,8 +71,6 @@ def test_vmid_sources_pct_vmid_wins_over_proxmox_vmid():
     ('vmid', 'pct_vmid', 'ansible_pct_vmid', 101, 202),
     ('exec_method', 'pct_exec_method', 'ansible_pct_exec_method', 'pct', 'lxc-attach'),
     ('node_become', 'pct_node_become', 'ansible_pct_node_become', False, True),
-    ('pct_executable', 'pct_executable', 'ansible_pct_executable', '/a/pct', '/b/pct'),
-    ('lxc_attach_executable', 'pct_lxc_attach_executable', 'ansible_pct_lxc_attach_executable', '/a/l', '/b/l'),
     ('transfer_timeout', 'pct_transfer_timeout', 'ansible_pct_transfer_timeout', 10, 20),
     ('command_timeout', 'pct_command_timeout', 'ansible_pct_command_timeout', 30, 40),
 ])
@@ -65,6 +78,62 @@ def test_ansible_pct_names_set_each_option_and_win_over_the_old_pct_aliases(opti
     assert make_conn(**{old: old_value}).get_option(option) == old_value
     assert make_conn(**{new: new_value, 'pct_vmid': 101 if old != 'pct_vmid' else None}).get_option(option) == new_value
     assert make_conn(**{old: old_value, new: new_value}).get_option(option) == new_value
+
+
+@pytest.mark.parametrize('variable', ['pct_executable', 'ansible_pct_executable', 'pct_lxc_attach_executable',
+                                      'ansible_pct_lxc_attach_executable', 'ansible_ssh_executable'])
+def test_no_host_variable_chooses_an_executable(variable):
+    """Issue 41: what the node's root runs comes from configuration only; a host variable (which a fact outranks)
+    is not read."""
+    conn = connection_loader.get('gpuops.fleet.pct', PlayContext())
+    conn.set_options(var_options={'ansible_host': NODE, 'pct_vmid': 101, 'pct_exec_method': 'lxc-attach',
+                                  variable: '/tmp/evil'})
+    assert '/tmp/evil' not in conn._node_argv(['X'])
+    assert conn.get_option('ssh_executable') == 'ssh'
+    assert variable not in C.config.get_plugin_vars('connection', conn._load_name)
+
+
+def test_executables_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv('ANSIBLE_PCT_EXECUTABLE', '/opt/pve/pct')
+    assert make_conn()._node_argv(['X'])[0] == '/opt/pve/pct'
+
+
+@pytest.mark.parametrize('fact, value', [('pct_vmid', 102), ('ansible_pct_vmid', 102), ('proxmox_vmid', 102),
+                                         ('ansible_pct_exec_method', 'lxc-attach'), ('pct_node_become', True),
+                                         ('ansible_host_key_checking', False), ('ansible_control_path', '/tmp/cp'),
+                                         ('ansible_ssh_host_key_checking', False)])
+def test_a_fact_named_like_a_connection_variable_fails_naming_it(fact, value, monkeypatch):
+    """Issue 41, attack 1: facts outrank inventory variables and ansible-core removes only its builtin connections'
+    names from them. ansible_facts holds the fact without its ansible_ prefix."""
+    key = fact[len('ansible_'):] if fact.startswith('ansible_') else fact
+    monkeypatch.setattr(C, 'INJECT_FACTS_AS_VARS', True)
+    with pytest.raises(AnsibleError, match=r'refused: .*\(ansible_facts\.%s\)' % key):
+        make_conn(ansible_facts={key: value, 'distribution': 'Debian'})
+
+
+def test_facts_that_ansible_core_removes_or_that_name_nothing_pass(monkeypatch):
+    """ansible_host, ansible_user, ansible_ssh_executable and the like never become variables (clean_facts), and the
+    executables are no variables at all: such facts, and ordinary ones, are no collision."""
+    monkeypatch.setattr(C, 'INJECT_FACTS_AS_VARS', True)
+    facts = {'host': 'evil', 'user': 'x', 'ssh_executable': '/tmp/x', 'pct_executable': '/tmp/x',
+             'pct_lxc_attach_executable': '/tmp/x', 'ssh_host_key_rsa_public': 'AAAA', 'hostname': 'ct101'}
+    conn = make_conn(ansible_facts=facts)
+    assert conn._node_argv(['X'])[:3] == ['/usr/sbin/pct', 'exec', '101']
+
+
+def test_with_inject_facts_as_vars_off_a_colliding_fact_is_only_warned_about(monkeypatch):
+    monkeypatch.setattr(C, 'INJECT_FACTS_AS_VARS', False)
+    warned = []
+    monkeypatch.setattr(pct_plugin.display, 'warning', lambda msg, *a, **k: warned.append(msg))
+    conn = make_conn(ansible_facts={'pct_vmid': 102})
+    assert conn.get_option('vmid') == 101
+    assert len(warned) == 1 and 'pct_vmid (ansible_facts.pct_vmid)' in warned[0] and 'ignored' in warned[0]
+
+
+def test_the_facts_option_reads_ansible_facts_and_the_doc_says_never_set_it():
+    conn = connection_loader.get('gpuops.fleet.pct', PlayContext())
+    assert 'ansible_facts' in C.config.get_plugin_vars('connection', conn._load_name)
+    assert 'never set it' in pct_plugin.DOCUMENTATION
 
 
 def test_vmid_has_no_environment_or_ini_default(monkeypatch, tmp_path):
@@ -357,10 +426,10 @@ def test_fetch_missing_file_leaves_no_local_file(local_node, tmp_path):
 def test_stopped_container_on_put(local_node, tmp_path):
     src = tmp_path / 'f'
     src.write_bytes(b'x')
-    local_node.set_options(var_options={'ansible_host': NODE, 'pct_vmid': 102,
-                                        'ansible_ssh_executable': local_node.get_option('ssh_executable'),
-                                        'pct_executable': local_node.get_option('pct_executable'),
-                                        'ansible_ssh_args': '', 'ansible_user': 'root'})
+    configure(local_node, {'ansible_host': NODE, 'pct_vmid': 102,
+                           'ansible_ssh_executable': local_node.get_option('ssh_executable'),
+                           'pct_executable': local_node.get_option('pct_executable'),
+                           'ansible_ssh_args': '', 'ansible_user': 'root'})
     with pytest.raises(AnsibleConnectionFailure, match="container '102' not running!"):
         local_node.put_file(str(src), '/tmp/x')
 
@@ -701,9 +770,9 @@ def test_a_transfer_stuck_on_the_node_ends_at_transfer_timeout(local_node, tmp_p
     hung_pct.chmod(0o755)
     src = tmp_path / 'f'
     src.write_bytes(b'x')
-    local_node.set_options(var_options={'ansible_host': NODE, 'pct_vmid': 101, 'pct_transfer_timeout': 1,
-                                        'ansible_ssh_executable': local_node.get_option('ssh_executable'),
-                                        'pct_executable': str(hung_pct), 'ansible_ssh_args': '', 'ansible_user': 'root'})
+    configure(local_node, {'ansible_host': NODE, 'pct_vmid': 101, 'pct_transfer_timeout': 1,
+                           'ansible_ssh_executable': local_node.get_option('ssh_executable'),
+                           'pct_executable': str(hung_pct), 'ansible_ssh_args': '', 'ansible_user': 'root'})
     for transfer in (lambda: local_node.put_file(str(src), str(tmp_path / 'copy')),
                      lambda: local_node.fetch_file(str(src), str(tmp_path / 'back'))):
         started = time.monotonic()

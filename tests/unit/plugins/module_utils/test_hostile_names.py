@@ -124,8 +124,8 @@ def test_a_root_system_service_of_the_node_is_stopped_with_the_managers_tool_of_
     assert program["stop"] == [supervisorctl, "-c", "/etc/s.conf", "stop", "nvidia-persistenced:nvidia-persistenced"]
 
 
-def test_a_system_units_daemon_that_dropped_root_is_still_its_service_and_a_users_supervisord_never(proc, tmp_path,
-                                                                                                       monkeypatch):
+def test_a_system_units_daemon_that_dropped_root_is_still_its_service_and_a_users_supervisord_never(
+        proc, tmp_path, monkeypatch):
     """Debian's nvidia-persistenced runs as its own user in a system unit: only the system manager puts a process in
     system.slice, so the unit is a node service whatever the uid; a non-root supervisord's program never is."""
     monkeypatch.setattr(node, "SYSTEM_BIN_DIRS", (str(tmp_path / "usr-bin"),))

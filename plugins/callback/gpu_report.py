@@ -341,16 +341,22 @@ class CallbackModule(CallbackBase):
         return self._reports.setdefault(name, HostReport(name))
 
     def _hostvars(self, host):
-        try:
-            manager = self._play.get_variable_manager() if self._play else None
-            if manager is not None:
-                return manager.get_vars(play=self._play, host=host, include_hostvars=False)
-        except Exception:  # pylint: disable=broad-except  # fall back to the inventory's own variables
-            pass
+        """The variables that place a host (node, container): the inventory's own first; the play's only where no
+        fact could have set them (a container's facts never file its row under another node or vmid, issue 41)."""
         merged = {}
         for group in sorted(host.get_groups(), key=lambda g: g.depth):
             merged.update(group.get_vars())
         merged.update(host.get_vars())
+        try:
+            manager = self._play.get_variable_manager() if self._play else None
+            every = manager.get_vars(play=self._play, host=host, include_hostvars=False) if manager else {}
+        except Exception:  # pylint: disable=broad-except  # the inventory's own variables suffice
+            every = {}
+        facts = every.get("ansible_facts") or {}
+        for key, value in every.items():
+            bare = key[len("ansible_"):] if key.startswith("ansible_") else key
+            if key not in merged and key not in facts and bare not in facts:
+                merged[key] = value
         return merged
 
     def _ingest(self, result, failed=False):

@@ -107,14 +107,19 @@ def find(record, proc_root="/proc"):
     return None
 
 
+# the driver's daemons' own systemd units, whose processes may run as a user of their own
+DAEMON_UNITS = ("nvidia-persistenced.service", "nvidia-dcgm.service", "dcgm.service", "nv-hostengine.service",
+                "nvidia-fabricmanager.service", "dcgm-exporter.service")
+
+
 def node_service(record, proc_root="/proc"):
     """The node's own service manager entry of a daemon of the node: a dict kind, name, stop, start (argv run on the
     node), evidence; or None. Only a process of the node's root (its namespaces read and the node's, every uid 0), in
     a systemd system unit (system.slice/NAME.service, never a user's slice) or a program of a root supervisord of the
     node; the manager's tool is the one of a fixed system folder (node.system_tool), never one a process names. An
     unread cgroup or container is unknown: None (issue 41). A process of a system unit may have dropped root
-    (nvidia-persistenced --user): only the system manager puts a process in system.slice, so there its namespaces
-    being the node's suffice."""
+    (nvidia-persistenced --user): a non-root one counts only in a unit of the driver's daemons (DAEMON_UNITS), since
+    a user's cron job, at job or mail pipe also runs in a system unit (cron.service), under its own uid."""
     cgroup = record.get("cgroup")
     if record.get("container") != node.HOST or node.where_of_cgroup(cgroup) != node.HOST or node.in_user_slice(cgroup):
         return None
@@ -122,7 +127,8 @@ def node_service(record, proc_root="/proc"):
         return None
     unit = respawn.service_unit(cgroup)
     if unit:
-        return _systemd_service(unit, cgroup)
+        root = node.root_owned(record["pid"], proc_root)
+        return _systemd_service(unit, cgroup) if root or unit in DAEMON_UNITS else None
     if not node.node_root_process(record["pid"], proc_root):
         return None
     return _supervisord_service(record, proc_root)

@@ -10,6 +10,7 @@ of the attacker (a listener in this test), with the controller's PROXMOX_TOKEN_*
 no byte reaches the listener and the holder in ct102 is not signalled."""
 import json
 import os
+import re
 import socket
 import threading
 
@@ -188,3 +189,37 @@ def test_with_inject_facts_as_vars_off_the_next_task_reaches_the_same_container_
     assert answer(lab, "ct101")["stdout"].strip() == "ct101", out
     assert not os.path.exists(marker), out
     assert "ignored, since inject_facts_as_vars is off" in out.replace("\n", " "), out
+
+
+BAD_PROBE = '''#!/bin/sh
+# a hostile container's python3: the role's probe (python3 -c PROBE SPEC) fails; anything else runs as usual
+if [ "$1" = "-c" ]; then echo hostile >&2; exit 1; fi
+exec /usr/bin/python3 "$@"
+'''
+
+
+def test_a_container_that_fails_its_own_probe_never_stops_its_nodes_release_for_the_others(tmp_path):
+    """Red team of issue 41: on the node path one gpu_release runs on the node for all of its containers, from the
+    first of them. ct1's python3 fails the role's probe (a stop list is set), so ct1 leaves the play: the node task
+    must still run, from ct2, whose result is its own (it said "no result" for every container of the node). No lab:
+    local connections, a node that is this machine's plain python3 (its module stops at its own checks)."""
+    import subprocess
+    bad = tmp_path / "badpy"
+    bad.write_text(BAD_PROBE)
+    bad.chmod(0o755)
+    inventory = tmp_path / "inv.ini"
+    inventory.write_text("[gpu_containers]\nct1 pct_vmid=101 ansible_python_interpreter=%s\n"
+                         "ct2 pct_vmid=102 ansible_python_interpreter=/usr/bin/python3\n[gpu_containers:vars]\n"
+                         "ansible_connection=local\nproxmox_node_host=nodeA\nrelease_gpus_services=[\"no-such-unit\"]\n"
+                         "[proxmox_nodes]\nnodeA ansible_connection=local ansible_python_interpreter=/usr/bin/python3\n"
+                         % bad)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", str(inventory),
+                           os.path.join(repo, "playbooks", "release_gpus.yml"),
+                           "-e", json.dumps({"release_gpus_advanced": {"install_deps": False}})],
+                          cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True,
+                          timeout=300, check=False)
+    out = proc.stdout
+    assert "fatal: [ct1]" in out and "ok: [ct2 -> nodeA]" in out, out[-3000:]
+    said = re.search(r"GPUs not free on ct2 \(container 102\).*?The node said: (.*?)\"", out)
+    assert said and said.group(1).strip(), out[-3000:]     # the node's own answer, not a skipped task's silence

@@ -23,7 +23,9 @@ REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 ROLE = os.path.join(REPO, "roles", "release_gpus")
 GUARDED = ("_release_gpus_node_host", "_release_gpus_vmid", "_release_gpus_proxmox_api", "_release_gpus_reset_blockers",
            "_release_gpus_install_deps", "_release_gpus_deps_pip_extra_args", "_release_gpus_wheel_dir",
-           "_release_gpus_supervisorctl", "_release_gpus_api")
+           "_release_gpus_supervisorctl", "_release_gpus_api",
+           # red team: where the controller writes the report, and whether a busy GPU fails the host
+           "_release_gpus_report_dir", "_release_gpus_fail_on_busy")
 
 
 def load(path):
@@ -119,3 +121,10 @@ def test_the_node_side_release_takes_only_gpus_the_node_says_are_the_containers(
     before = [{"uuid": u} for u in ("GPU-a", "GPU-b", "GPU-c", "GPU-d", "GPU-elsewhere")]
     assert owned_uuids(before, node_gpus) == ["GPU-a", "GPU-c"]
     assert owned_uuids(before, []) == []
+
+
+def test_the_roles_messages_lose_a_containers_terminal_escapes():
+    """Red team: the role's own messages carry container strings (diagnosis, the node's message): escapes go."""
+    tmpl = templar({})
+    text = tmpl.template(trust_as_template("{{ 'held by \x1b]0;PWNED\x07\x1b[2J' | regex_replace(_release_gpus_ctrl, ' ') }}"))
+    assert "\x1b" not in text and "\x07" not in text and "PWNED" in text, repr(text)

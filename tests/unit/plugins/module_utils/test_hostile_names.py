@@ -136,10 +136,16 @@ def test_a_system_units_daemon_that_dropped_root_is_still_its_service_and_a_user
     proc.add(46, comm="supervisord", uid=1000, argv=["/usr/bin/python3", "/usr/bin/supervisord"], cgroup="0::/supervisor\n")
     proc.add(47, comm="nvidia-persiste", ppid=46, uid=1000, cgroup="0::/supervisor\n")
     environ(proc, 47, SUPERVISOR_PROCESS_NAME="nvidia-persistenced")
-    node_namespaces(proc, 45, 46, 47)
+    # red team: a user's cron job (or a mail pipe) runs in a system unit under the user's uid, named as it likes
+    jobs = ((48, "/system.slice/cron.service"), (49, "/system.slice/system-postfix.slice/postfix@-.service"))
+    for pid, job in jobs:
+        proc.add(pid, comm="nvidia-persiste", uid=1000, cgroup="0::%s\n" % job)
+    node_namespaces(proc, 45, 46, 47, 48, 49)
     unit = units.node_service({"pid": 45, "ppid": 1, "container": node.HOST, "cgroup": cgroup}, proc.root)
     assert unit["stop"] == [systemctl, "stop", "nvidia-persistenced.service"], unit
     assert units.node_service({"pid": 47, "ppid": 46, "container": node.HOST, "cgroup": "/supervisor"}, proc.root) is None
+    for pid, job in jobs:
+        assert units.node_service({"pid": pid, "ppid": 1, "container": node.HOST, "cgroup": job}, proc.root) is None, job
 
 
 def test_a_process_whose_cgroup_cannot_be_read_is_unknown_never_the_nodes(proc, monkeypatch):

@@ -9,13 +9,9 @@ import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar
 
-try:    # ansible-core 2.19 templates only what is trusted as a template; the role's own text is
-    from ansible.template import trust_as_template
-except ImportError:     # 2.16-2.18 template any string
-    def trust_as_template(text):
-        return text
+from _templating import REPO, trust_as_template
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
 TASKS = os.path.join(REPO, "roles", "release_gpus", "tasks", "node_view.yml")
 BLOCKED = {"check": "device_access", "vmid": 101, "reason": "container 101: GPU 1 (/dev/nvidia1, passed in by dev1) "
            "cannot be opened read-write, blocked by deny-write", "remedy": "pass it in read-write"}

@@ -8,13 +8,9 @@ import yaml
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar
 
-try:    # ansible-core 2.19 templates only what is trusted as a template; the playbook's own text is
-    from ansible.template import trust_as_template
-except ImportError:     # 2.16-2.18 template any string
-    def trust_as_template(text):
-        return text
+from _templating import REPO, trust_as_template
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
 PLAYBOOK = os.path.join(REPO, "playbooks", "predeploy_check.yml")
 
 

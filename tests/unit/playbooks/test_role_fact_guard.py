@@ -13,13 +13,9 @@ from ansible.errors import AnsibleError
 from ansible.parsing.dataloader import DataLoader
 from ansible.template import Templar
 
-try:    # ansible-core 2.19 templates only what is trusted as a template; the role's own text is
-    from ansible.template import trust_as_template
-except ImportError:     # 2.16-2.18 template any string
-    def trust_as_template(text):
-        return text
+from _templating import REPO, trust_as_template
 
-REPO = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+
 ROLE = os.path.join(REPO, "roles", "release_gpus")
 GUARDED = ("_release_gpus_node_host", "_release_gpus_vmid", "_release_gpus_proxmox_api", "_release_gpus_reset_blockers",
            "_release_gpus_install_deps", "_release_gpus_deps_pip_extra_args", "_release_gpus_wheel_dir",

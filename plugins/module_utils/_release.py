@@ -664,8 +664,7 @@ class Releaser(object):
                 out.append((entry, {"ok": False, "late": True, "text": "not tried: the overall timeout was reached"},
                             self.now()))
                 continue
-            out.append((entry, units.stop(entry, self.stop_timeout if left is None
-                                          else min(self.stop_timeout, max(1.0, left))), self.now()))
+            out.append((entry, units.stop(entry, self._act_bound(self.stop_timeout)), self.now()))
         return out
 
     def _record_stops(self, outcomes):
@@ -1141,12 +1140,7 @@ class Releaser(object):
 
     def failure_of_restores(self):
         """The task's failure when a restore did not complete, naming what is left changed; else None."""
-        if not self.left_changed:
-            return None
-        return "left changed, its restore failed: %s" % "; ".join(
-            "%s %s (%s)" % (e["what"], e["state"], e["why"]) if e["kind"] != "container" else
-            "%s was stopped (freeing its GPUs) but did not start again (%s)" % (e["what"], e["why"])
-            for e in self.left_changed)
+        return left_changed_words(self.left_changed) or None
 
     def _act_bound(self, bound):
         """bound, cut to the time left before the restores' reserve (1 s at the least)."""
@@ -1352,6 +1346,15 @@ def skipped_entries(skipped):
     """per_container entries of the containers left out before anything (locked): {vmid: reason}."""
     return [{"vmid": int(vmid), "changed": False, "verdict": "skipped", "note": "", "reason": reason, "gpus": [], "planned": [],
              "found_units": [], "stopped": [], "actions": [], "not_signalled": []} for vmid, reason in sorted(skipped.items(), key=lambda kv: int(kv[0]))]
+
+
+def left_changed_words(entries):
+    """What stops left changed that their restores could not put back (left_changed), as one sentence; "" if none."""
+    if not entries:
+        return ""
+    return "left changed, its restore failed: %s" % "; ".join(
+        "%s %s (%s)" % (e["what"], e["state"], e["why"]) if e["kind"] != "container" else
+        "%s was stopped (freeing its GPUs) but did not start again (%s)" % (e["what"], e["why"]) for e in entries)
 
 
 def backstop_result(progress):

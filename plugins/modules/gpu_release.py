@@ -832,7 +832,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as re
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import view_of
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import (
-    HAS_PSUTIL, PSUTIL_IMPORT_ERROR, ReleaseTimeout, backstop_result, release,
+    HAS_PSUTIL, PSUTIL_IMPORT_ERROR, ReleaseTimeout, backstop_result, left_changed_words, release,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import (
     Protect, SelectorError, compile_regex,
@@ -847,9 +847,8 @@ def _backstop(signum, frame):
 
 
 def _left_changed_words(kept):
-    left = kept.get("left_changed") or []
-    return "" if not left else "; left changed, its restore failed: %s" % "; ".join(
-        "%s %s (%s)" % (e["what"], e["state"], e["why"]) for e in left)
+    words = left_changed_words(kept.get("left_changed"))
+    return "; " + words if words else ""
 
 
 def check_scope(module, params):

@@ -403,10 +403,10 @@ def test_found_units_stopped_before_the_deadline_are_recorded(proc, monkeypatch)
     from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser
 
     def slow_stop(entry, timeout):
-        time.sleep(0.4)
+        releaser.deadline = time.monotonic() - 0.01     # this stop took the time that was left (no sleep: no race)
         return {"ok": True, "text": "stopped"}
     monkeypatch.setattr(units, "stop", slow_stop)
-    releaser = Releaser(held_in_101(proc, monkeypatch), [0], stop_found_units=True, deadline=time.monotonic() + 0.3,
+    releaser = Releaser(held_in_101(proc, monkeypatch), [0], stop_found_units=True, deadline=time.monotonic() + 60,
                         scope=node.Scope([101], proc_root=proc.root))
     found = [{"vmid": 101, "kind": "systemd", "name": n, "pids": [60]} for n in ("a.service", "b.service")]
     releaser.found_units = [dict(u) for u in found]

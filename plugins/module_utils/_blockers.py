@@ -46,6 +46,9 @@ def plan(report, targets, readings, mode, all_gpus):
                 add("daemon", what, on, "refused", "not under systemd or supervisord here as a service of the node's root "
                     "(a system unit, or a root supervisord's program, its tool in a system folder), so it cannot be "
                     "stopped and started again through its service manager; stop it yourself")
+            elif service.get("refused"):
+                add("daemon", what, on, "refused", "%s: stopping it would stop every program that unit runs, and "
+                    "starting it again would run them again (B3); stop the daemon yourself" % service["refused"])
             elif mode == "stop_services":
                 add("daemon", what, on, "stop %s %s, start it again after the reset" % (service["kind"], service["name"]))
             else:

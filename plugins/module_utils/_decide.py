@@ -54,24 +54,105 @@ def reset_refusal(report, gpu, spared=()):
     return None
 
 
-def restart_collateral(holders, targets, tolerance_mib):
-    """[(index, MiB or None)] of the untargeted GPUs a container restart would free: each pinned holder's shares
-    over the tolerance, and, of an unpinned holder, every untargeted GPU it has a context on (size unknown)."""
-    over = {}
-    for record in holders:
-        for index, mib in pinning.untargeted_shares(record, targets, tolerance_mib)[0]:
-            if over.get(index) is None:
-                over[index] = mib
-        if not record["gpus"]:
-            for index in record.get("context_gpus", []) + record.get("ambiguous_gpus", []):
-                if index not in targets:
-                    over.setdefault(index, None)
-    return sorted(over.items())
+# stop sets (issue 42): what never is one, and what a set's main process must not be
+GENERIC_UNITS = ("cron.service", "crond.service", "anacron.service", "atd.service", "ssh.service", "sshd.service",
+                 "rc-local.service", "init.scope", "docker.service", "containerd.service", "systemd-logind.service",
+                 "console-getty.service", "container-getty.service", "supervisor.service", "supervisord.service")
+GENERIC_PREFIXES = ("getty@", "serial-getty@", "container-getty@", "console-getty@", "user@", "user-runtime-dir@",
+                    "session-", "pve-container@", "lxc@", "ssh@", "sshd@", "run-")
+MANAGERS = ("supervisord", "dockerd", "containerd", "systemd", "init", "runsvdir", "s6-svscan", "sshd", "cron", "crond",
+            "atd", "tmux: server", "tmux", "screen", "SCREEN", "containerd-shim", "lxc-start", "conmon")
 
 
-def restart_unknown(holders):
-    """Minors of GPUs NVML cannot describe that a container restart would also free (an unknown amount)."""
-    return sorted(set(m for record in holders for m in record.get("unknown_gpus") or ()))
+def generic_unit(name):
+    """Why a systemd unit is a generic launcher or session unit (it runs many programs, or a login), or None."""
+    if name in GENERIC_UNITS or name.startswith(GENERIC_PREFIXES):
+        return "%s is a generic launcher or session unit (it starts many programs, or a login), never a stop set" % name
+    return None
+
+
+def _may_hold_untargeted(record, indexes, targets, planned, tolerance_mib):
+    """The untargeted GPUs a member would lose work on: of a planned holder, its shares over the tolerance (its
+    decision allowed the rest); of anything else, every untargeted GPU it may hold (pinning.may_hold), with no
+    tolerance: its only work may be small. Either way the GPUs NVML cannot describe. [(index or 'minor N', MiB)]."""
+    if record["pid"] in planned:
+        out = list(pinning.untargeted_shares(record, targets, tolerance_mib)[0])
+    else:
+        out = [(i, record["shares_mib"].get(i)) for i in indexes if i not in targets and pinning.may_hold(record, i)]
+    return out + [("minor %d" % m, None) for m in record.get("unknown_gpus") or ()]
+
+
+def set_collateral(members, report, targets, planned, tolerance_mib):
+    """The members of a stop set whose stop would take GPU work that is not targeted: [{pid, name, why}]."""
+    holders = dict((h["pid"], h) for h in report.holders)
+    indexes = sorted(g["index"] for g in report.gpus)
+    blocked = set(b["pid"] for b in getattr(report, "unreadable", ()))
+    out = []
+    for member in members:
+        record = holders.get(member["pid"])
+        if record is not None:
+            lost = _may_hold_untargeted(record, indexes, set(targets), planned, tolerance_mib)
+            if lost:
+                out.append({"pid": member["pid"], "name": member["name"], "gpus": [i for i, dummy in lost],
+                            "why": "may hold %s, not targeted" % ", ".join(
+                    ("GPU %s" % i if isinstance(i, int) else "the GPU of %s" % i)
+                    + ("" if mib is None else " (%d MiB)" % mib) for i, mib in lost)})
+        elif member["pid"] in blocked:
+            out.append({"pid": member["pid"], "name": member["name"], "gpus": [],
+                        "why": "its maps could not be read (blocked): it may hold any GPU"})
+    return out
+
+
+def _structure_refusal(stop_set, planned, skipped):
+    """Why a unit, program or docker container is not the planned holders' own program, or None."""
+    main = stop_set["main"] or {}
+    if stop_set["kind"] in ("systemd", "systemd-user"):
+        generic = generic_unit(stop_set["name"])
+        if generic:
+            return generic
+    if main.get("pid") is None:
+        return "it has no one main process (processes %s were started by its manager)" % ", ".join(
+            str(p) for p in main.get("tops") or ()) or "none"
+    if main["name"] in MANAGERS or main.get("session_shell"):
+        return ("its main process, pid %d (%s), manages several programs (%s): the set inside it for the holder "
+                "could not be told" % (main["pid"], main["name"], "a login session's shell" if main.get("session_shell")
+                                       else "a service manager"))
+    held = [p for p in stop_set["pids"] if p == main["pid"] or main["pid"] in stop_set["chains"].get(p, ())]
+    if held != list(stop_set["pids"]):
+        return "its main process, pid %d (%s), is neither the holder nor one of its ancestors" % (main["pid"], main["name"])
+    for member in stop_set["members"]:
+        if member["pid"] in skipped and member["pid"] not in planned:
+            return "pid %d (%s) in it holds a targeted GPU and is not signalled: %s" % (
+                member["pid"], member["name"], skipped[member["pid"]])
+    return None
+
+
+def stop_set_verdict(stop_set, report, targets, planned, skipped, collateral="refuse",
+                     tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB):
+    """Whether a stop set may be stopped: {verdict (stop, refused, no set), reason, collateral}. Pure.
+
+    stop_set: _stopsets' entry with pids (the planned holders it runs) and chains ({pid: its ancestors}); or kind
+    "container" for a container restart, which every process of the container is in (container_restart: true is
+    the consent for those that hold no GPU). planned: the pids to signal; skipped: {pid: why} of those left alone.
+    A unit, program or docker container must be one program's: not a generic launcher or session unit, its main
+    process no manager of several programs, and the holder or its ancestor; none of its members a holder that is
+    not signalled. Any set's collateral is GPU work that is not targeted (set_collateral): refused unless
+    collateral is stop, and printed either way."""
+    if stop_set.get("problem"):
+        return {"verdict": "no set", "reason": stop_set["problem"], "collateral": []}
+    planned = set(planned)
+    if stop_set["kind"] != "container":
+        refusal = _structure_refusal(stop_set, planned, skipped)
+        if refusal:
+            return {"verdict": "refused", "reason": refusal, "collateral": []}
+    found = set_collateral(stop_set["members"], report, targets, planned, tolerance_mib)
+    if found and collateral != "stop":
+        return {"verdict": "refused", "collateral": found, "reason": "stopping it would take GPU work that is not "
+                "targeted: %s; to go on, set collateral: stop" % "; ".join(
+                    "pid %d (%s) %s" % (c["pid"], c["name"], c["why"]) for c in found)}
+    return {"verdict": "stop", "reason": "every member is a planned holder or part of its program%s" % (
+        "" if not found else "; collateral: stop takes %s" % ", ".join("pid %d" % c["pid"] for c in found)),
+        "collateral": found}
 
 
 def mib_list(pairs):

@@ -62,7 +62,8 @@ NUMBERS = re.compile(r"[0-9]+")
 INTERPRETER = re.compile(r"^(python|perl|ruby|node|java)[0-9.]*$")
 
 
-def _argv(pid, proc_root):
+def read_argv(pid, proc_root):
+    """The argv of a live pid (bounded read), [] when it cannot be read."""
     try:
         raw = procscan.read_bytes("%s/%d/cmdline" % (proc_root, pid))
     except OSError:
@@ -88,7 +89,7 @@ def signatures(record, proc_root="/proc"):
     if dist:
         out["environment"] = dist
     parent = record.get("ppid")
-    if parent and parent > 1 and is_launcher(_argv(parent, proc_root)):
+    if parent and parent > 1 and is_launcher(read_argv(parent, proc_root)):
         out["launcher"] = parent
     argv = record.get("_argv") or []
     if argv:

@@ -28,12 +28,13 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
+from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
 from ansible_collections.gpuops.fleet.plugins.module_utils import _respawn as respawn
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
 from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import (
-    decide, gpu_list_words, mib_list, plan_entry, reset_refusal, restart_collateral, restart_unknown, stuck_in_driver,
+    decide, generic_unit, gpu_list_words, plan_entry, reset_refusal, stop_set_verdict, stuck_in_driver,
 )
 
 try:
@@ -49,7 +50,7 @@ RUNGS = ("none", "sigterm", "sigkill", "wait", "container_restart", "reset")
 POLL_S = 0.075
 FULL_READ_EVERY_S = 1.0  # shared_gpu: own polls read NVML alone in between (_scope_still_holds)
 GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wait for its memory
-UNIT_WORDS = {"systemd": "unit", "supervisord": "supervisord program", "docker": "docker container"}
+UNIT_WORDS = units.KIND_WORDS
 RESTORE_STEP_S = 20.0    # the bound of one restore step (a daemon started, persistence mode back on); reserved
 MIN_ACT_S = 2.0          # the least time a stop needs beside its reserved restore, or it is not started
 SETTLE_S = 5.0           # after a container stop that did not end well: how long its state may take to settle
@@ -342,7 +343,8 @@ class Releaser(object):
         self.stop_concurrency = stop_concurrency
         self.stop_found_units = stop_found_units
         self.stop_timeout = stop_timeout
-        self.found_units = []     # units.found_for of the plan, with each stop's outcome
+        self.stop_sets = []       # units.plan_sets: every stop set of the plan's holders, decided (node view)
+        self.found_units = []     # the stop sets to stop, with each stop's outcome
         self.unstopped_units = []  # the same, found but not to stop (stop_found_units off): named on a respawn
         self.scope = scope
         self.own_only = scope is not None and shared_gpu == "own"
@@ -377,6 +379,7 @@ class Releaser(object):
         self.started = time.monotonic()
         self.signalled = {}      # pid -> record
         self.skipped = []
+        self.to_signal = []
         self.plan = []
         self.refusals = []
         self.refused_in = []     # per refusal, the set of containers (vmids) it is about; empty: not only containers
@@ -563,10 +566,8 @@ class Releaser(object):
     def _after_respawn(self):
         """A respawn fails the task; from the node, a planned container restart may still free the GPUs."""
         if self.restart_plan:
-            found, self.watch = self.respawned, None   # a restart ends the parents too
-            # the respawning parent's container, though its new child may not map a GPU yet
-            pids = [found["parent_pid"], found["pid"]] if found else []
-            self._restart_containers(self.failure, [node.container_of_pid(p, self.proc_root) for p in pids])
+            self.watch = None   # a restart ends the parents too
+            self._restart_containers(self.failure)   # only while a targeted GPU is still held there (C3)
             if not self.failure:
                 self._verify_wait(self.verify_timeout, [])
 
@@ -615,18 +616,28 @@ class Releaser(object):
         self.scope = node.Scope(self.scope.containers - set(vmids), self.scope.host_processes, self.proc_root)
 
     # -- what would respawn the plan's holders, stopped in their containers (node side)
-    def find_units(self):
-        """The units and programs that run the planned holders (node view): to stop with stop_found_units; else
-        only named, should one of them respawn its holder."""
+    def find_units(self, report):
+        """The stop sets of the planned holders (node view), each decided on report (units.plan_sets) and printed
+        (stop_sets): those decided "stop" are returned to stop with stop_found_units, else only named, should one of
+        them respawn its holder. A set refused or not found is never stopped: its holders are signalled alone."""
         if self.scope is None or self.engine.view != "node":
             return []
-        found = units.found_for(self.to_signal, self.proc_root)
-        named = [dict((k, v) for k, v in u.items() if k != "argv") for u in found]
+        skipped = dict((s["pid"], s["reason"]) for s in self.skipped)
+        self.stop_sets = units.plan_sets(report, self.to_signal, skipped, self.targets, self.collateral,
+                                         self.tolerance_mib, self.proc_root)
+        for entry in self.plan:
+            entry["stop_set"] = next(("%s %s in container %s: %s" % (UNIT_WORDS.get(s["kind"], s["kind"]), s["name"],
+                                                                     s["vmid"], s["verdict"]) if s["kind"] else None
+                                      for s in self.stop_sets if entry["pid"] in s["pids"]), None)
+        allowed = [s for s in self.stop_sets if s["verdict"] == "stop"]
+        named = [dict((k, s[k]) for k in ("vmid", "kind", "name", "evidence", "pids")) for s in allowed]
         if not self.stop_found_units:
             self.unstopped_units = named
+            for entry in allowed:
+                entry["outcome"] = "not run: stop_found_units is off"
             return []
         self.found_units = named
-        return found
+        return allowed
 
     def _respawn_failure(self, found):
         """The failure of a respawn: what respawned, and the units found from the node that were not stopped."""
@@ -669,9 +680,12 @@ class Releaser(object):
 
     def _record_stops(self, outcomes):
         by_key = dict(((u["vmid"], u["kind"], u["name"]), u) for u in self.found_units)
+        sets = dict(((u["vmid"], u["kind"], u["name"]), u) for u in self.stop_sets)
         for entry, done, when in sorted(outcomes, key=lambda o: o[2]):
             outcome = ("done: %s" % done["text"]) if done["ok"] else ("failed: %s" % done["text"])
             by_key[(entry["vmid"], entry["kind"], entry["name"])]["outcome"] = outcome
+            if (entry["vmid"], entry["kind"], entry["name"]) in sets:
+                sets[(entry["vmid"], entry["kind"], entry["name"])]["outcome"] = outcome
             action = {"time": round(time.time() - (self.now() - when), 3), "elapsed_s": round(when - self.started, 3),
                       "pid": 0, "name": "%s %s" % (UNIT_WORDS.get(entry["kind"], entry["kind"]), entry["name"]),
                       "vmid": entry["vmid"], "signal": "stop", "outcome": outcome}
@@ -680,43 +694,49 @@ class Releaser(object):
 
     # -- the container rung (node side)
     def _restart_plan(self, report):
-        """Per scoped container holding a targeted GPU: every process and every GPU a restart would stop."""
-        targets = set(self.targets)
-        members = node.processes_by_container(self.proc_root, report.scan)
+        """Per scoped container holding a targeted GPU: every process a restart would stop, and the restart decided
+        as a stop set (_restart_verdict); a refusal stops the task before any signal."""
+        members = node.processes_by_container(self.proc_root, getattr(report, "scan", None))
         out = []
         for vmid in sorted(self.scope.containers, key=int):
             holders = [h for h in report.holders if h.get("container") == vmid]
             gpus = set(g["index"] for g in self.engine.gpus for h in holders if pinning.may_hold(h, g["index"]))
             held_mib = sum((g.get("by_container") or {}).get(vmid, 0) for g in report.gpus)
-            if not (gpus & targets) and held_mib <= self.engine.threshold_mib:
+            if not (gpus & set(self.targets)) and held_mib <= self.engine.threshold_mib:
                 continue
-            over = restart_collateral(holders, targets, self.tolerance_mib)
-            entry = {"vmid": int(vmid), "gpus": sorted(gpus), "untargeted_gpus": [i for i, dummy in over],
-                     "processes": members.get(vmid, []), "backend": getattr(self.restart_backend, "name", None),
+            verdict = self._restart_verdict(report, vmid, members.get(vmid, []))
+            entry = {"vmid": int(vmid), "gpus": sorted(gpus), "processes": members.get(vmid, []),
+                     "untargeted_gpus": sorted(set(i for c in verdict["collateral"] for i in c["gpus"]
+                                                   if isinstance(i, int))),
+                     "collateral": verdict["collateral"], "backend": getattr(self.restart_backend, "name", None),
                      "refusal": restart.refusal(self.restart_backend, vmid) if self.restart_backend else None}
-            unknown = restart_unknown(holders)
-            if unknown and self.collateral != "stop":
-                self._refuse(
-                    "container_restart would restart container %s, whose processes also have a context on the GPU of "
-                    "minor %s, which NVML cannot describe (an unknown amount); nothing was signalled. To go on, set "
-                    "collateral: stop" % (vmid, ", ".join(str(m) for m in unknown)), vmid)
-            if over and self.collateral != "stop":
-                words = (vmid, mib_list(over), "is" if len(over) == 1 else "are", len(entry["processes"]),
-                         gpu_list_words([i for i, dummy in over]))
-                self._refuse(
-                    "container_restart would restart container %s, whose processes also hold %s, which %s not "
-                    "targeted (a restart stops everything in it: %d processes); nothing was signalled. To go on, set "
-                    "collateral: stop, or target %s too" % words, vmid)
+            if verdict["verdict"] != "stop":
+                self._refuse(self._restart_words(vmid, verdict, len(entry["processes"])), vmid)
             out.append(entry)
         return out
 
-    def _restart_containers(self, why, respawning=()):
-        """Stop and start each planned container that still holds a targeted GPU, or where a parent respawns its
-        holder (respawning: vmids); sets self.failure when one fails. A container whose stop has run is always
-        started again (its start is paired with the stop, hard stop held off)."""
+    def _restart_verdict(self, report, vmid, processes):
+        """A restart of container vmid decided as a stop set on report: every process of it is a member; container_restart
+        is the consent for those that hold no GPU; GPU work that is not targeted is collateral (C1: no tolerance for a
+        process whose only GPUs are not targeted)."""
+        members = [{"pid": p["pid"], "name": p["name"], "why": "a process of container %s" % vmid} for p in processes]
+        planned = [r["pid"] for r in self.to_signal] + list(self.signalled)
+        return stop_set_verdict({"kind": "container", "members": members}, report, self.targets, planned, {},
+                                self.collateral, self.tolerance_mib)
+
+    @staticmethod
+    def _restart_words(vmid, verdict, count):
+        return ("container_restart would restart container %s, whose processes also hold GPU work that is not targeted "
+                "(a restart stops everything in it: %d processes): %s; nothing was signalled. To go on, set "
+                "collateral: stop, or target those GPUs too" % (vmid, count, "; ".join(
+                    "pid %d (%s) %s" % (c["pid"], c["name"], c["why"]) for c in verdict["collateral"])))
+
+    def _restart_containers(self, why):
+        """Stop and start each planned container that still holds a targeted GPU, decided again on the snapshot taken
+        right before its stop (C2: GPU work started since the plan refuses it); sets self.failure when one fails. A
+        container whose stop has run is always started again (its start is paired with the stop, hard stop held off)."""
         report = self.snapshot()
-        busy = [e for e in self.restart_plan
-                if str(e["vmid"]) in respawning or self._container_holds(report, str(e["vmid"]))]
+        busy = [e for e in self.restart_plan if self._container_holds(report, str(e["vmid"]))]
         if not busy:
             return
         self._set_rung("container_restart")
@@ -732,6 +752,10 @@ class Releaser(object):
         refusal = restart.refusal(self.restart_backend, vmid)
         if refusal:
             return "%s; %s" % (why, refusal)
+        processes = node.processes_by_container(self.proc_root, getattr(report, "scan", None)).get(str(vmid), [])
+        verdict = self._restart_verdict(report, str(vmid), processes)
+        if verdict["verdict"] != "stop":
+            return "%s; decided again right before the stop: %s" % (why, self._restart_words(vmid, verdict, len(processes)))
         for holder in report.holders:
             thread = stuck_in_driver(holder) if holder.get("container") == str(vmid) else None
             if thread is not None:
@@ -997,7 +1021,9 @@ class Releaser(object):
             readings["mig"][index] = self.engine.nvml.mode(index, "nvmlDeviceGetMigMode")
         for record in list(report.holders) + list(report.clients) + list(report.protected_holders):
             if record.get("protected_name") in blockers.DAEMONS:
-                readings["services"][record["pid"]] = units.node_service(record, self.proc_root)
+                service = stopsets.node_service(record, self.proc_root)
+                generic = generic_unit(service["name"]) if service and service["kind"] == "systemd" else None
+                readings["services"][record["pid"]] = dict(service, refused=generic) if generic else service
         self.reset_blockers, refusals = blockers.plan(report, self.targets, readings, self.reset_mode, self.engine.gpus)
         if self.reset_mode == "stop_services":
             seen = set()
@@ -1487,7 +1513,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
               "lock_acquired_at": None,
               "not_signalled": [], "respawned": None, "released_mib": 0, "remaining": [], "diagnosis": [],
               "collateral": [], "jobs": [], "linked": [], "nvml_stale": [], "unknown_gpus": [], "restart_plan": [],
-              "per_container": [], "found_units": [], "reset_blockers": [], "reset_steps": [], "left_changed": [],
+              "per_container": [], "found_units": [], "stop_sets": [], "reset_blockers": [], "reset_steps": [], "left_changed": [],
               "reads": {"fast": 0, "full": 0}, "view": engine.view,
               "scope": None if releaser.scope is None else {"containers": sorted(int(c) for c in releaser.scope.containers),
                                                             "host_processes": releaser.scope.host_processes}}
@@ -1523,6 +1549,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             failed = True
             msg += "; unknown, not free: %s" % "; ".join(e["reason"] for e in unknown)
         result["found_units"] = releaser.found_units
+        result["stop_sets"] = [units.shown(s) for s in releaser.stop_sets]
+        result["diagnosis"] += [units.set_words(s) for s in releaser.stop_sets if s["verdict"] != "stop"]
         result["reset_blockers"] = releaser.reset_blockers
         result["reset_steps"] = releaser.reset_steps
         result["left_changed"] = releaser.left_changed
@@ -1607,7 +1635,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         if releaser.refusals:
             result["diagnosis"] = list(before.diagnosis)
             return finish(True, " | ".join(releaser.refusals), before, None)
-        found = releaser.find_units()
+        found = releaser.find_units(before)
         if check_mode:
             result["diagnosis"] = list(before.diagnosis)
             return with_shm(before, *finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (

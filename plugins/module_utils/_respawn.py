@@ -1,27 +1,39 @@
 # Copyright (c) 2026 gpuops
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Respawn by parentage: new processes under the parents of killed holders (private helper).
+"""Respawn by parentage: the same program started again under the ancestors of killed holders (private helper).
 
-Whatever started a holder may start it again: a supervisor, a shell loop, a
-launcher such as torchrun. Whatever the parent's name, a process that starts
-under it after the kill and maps a targeted GPU, or that NVML names on one, is
-a respawn. The watch reads the parents' children and their maps, never a whole
-snapshot. No AnsibleModule here.
+Whatever started a holder may start it again: a supervisor, a shell loop, a launcher such as torchrun, behind a
+wrapper that exits with its child. The watch follows each killed holder's ancestors up to its innermost manager
+(W1). A process that starts under one of them after the kill is a respawn when it is the same program as a killed
+holder (argv apart from numbers, unit, or supervisord program) and holds a targeted GPU by the pinning rule (a
+context mapped there, named by NVML), or, at the window's end, the same program still starting (C3). The watch
+reads the new processes and their maps, never a whole snapshot. No AnsibleModule here.
 """
 
 from __future__ import annotations
 
 import os
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _jobs as jobs
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
 
 CHAIN_MAX = 16
+# ancestors that start many programs for many people: the watch stops below them (a new login is no respawn)
+NOT_WATCHED = ("sshd", "cron", "crond", "atd", "systemd", "init", "dockerd", "containerd", "lxc-start", "tmux: server",
+               "screen", "SCREEN", "login", "agetty")
+# managers that restart their programs: watched, and the watch stops at them
+RESTARTERS = ("supervisord", "runsv", "runsvdir", "s6-supervise", "s6-svscan", "containerd-shim", "conmon")
 
 
 def service_unit(cgroup):
-    """The systemd unit a cgroup path ends in (NAME.service), or None."""
-    last = str(cgroup or "").rstrip("/").rsplit("/", 1)[-1]
-    return last if last.endswith(".service") else None
+    """The systemd unit (NAME.service or NAME.scope) a cgroup path names, inside its container when it is in one (the
+    first component below the slices, stopsets.systemd_unit), or None."""
+    inner = node.inner_cgroup(cgroup)
+    unit = stopsets.systemd_unit(inner if inner is not None else cgroup)
+    return unit[2] if unit else None
 
 
 def _is_init(pid, proc_root):
@@ -54,8 +66,26 @@ def how_to_stop(parent, unit=None):
             "then release again" % (parent["pid"], parent["name"]))
 
 
+def identity(pid, proc_root, argv=None, cgroup=None):
+    """What makes a process the same program as another (C3): its argv apart from numbers, its unit (a cgroup that
+    names one, never a generic session or init scope), its supervisord program. A set of keys."""
+    if argv is None:
+        argv = jobs.read_argv(pid, proc_root)
+    out = set([("argv", tuple(jobs.NUMBERS.sub("#", a) for a in argv))]) if argv else set()
+    if cgroup is None:
+        cgroup = procscan.read_cgroup(pid, proc_root)
+    unit = service_unit(cgroup)
+    if unit and not unit.endswith(".scope") and not unit.startswith(("user@", "session-")):
+        out.add(("unit", cgroup))
+    program = stopsets.supervisord_program(pid, proc_root)
+    if program:
+        out.add(("program", program))
+    return out
+
+
 class RespawnWatch(object):
-    """Watches the live parents of the holders signalled since since_ticks (clock ticks of /proc starttime)."""
+    """Watches the ancestors of the holders signalled since since_ticks (clock ticks of /proc starttime), up to their
+    innermost manager (W1): a parent that exits with its child does not end the watch."""
 
     def __init__(self, proc_root, devices, target_minors, since_ticks, known_pids=()):
         self.proc_root = proc_root
@@ -64,30 +94,40 @@ class RespawnWatch(object):
         self.since = since_ticks
         self.known = set(known_pids)
         self.killed = set()
+        self.identities = set()  # identity() keys of the killed holders
         self.old = set()        # pids seen started before the kill
-        self.parents = {}       # pid -> {pid, name, starttime, chain, unit, cgroup, killed_names}
+        self.parents = {}       # pid -> {pid, name, starttime, chain, unit, cgroup}
         self.pending = {}       # pid -> (stat, parent) of a new child that maps no targeted GPU yet
         self.found = None
 
     def add(self, record):
-        """Watch the parent of a holder that was just signalled (an init only for a service's holder)."""
+        """Watch the ancestors of a holder that was just signalled, from its parent up to its innermost manager,
+        never an init but for a service's holder, never above the container's init."""
         self.killed.add(record["pid"])
         self.parents.pop(record["pid"], None)
-        ppid = record.get("ppid")
-        if ppid in self.parents:
-            self.parents[ppid]["killed_names"].add(record["name"])
-        if not ppid or ppid in self.parents or ppid in self.killed:
-            return
-        stat = procscan.read_stat(ppid, self.proc_root)
-        if stat is None:
-            return
-        init = _is_init(ppid, self.proc_root)
+        self.identities |= identity(record["pid"], self.proc_root, record.get("_argv") or None, record.get("cgroup"))
+        current = record.get("ppid")
+        for dummy in range(CHAIN_MAX):
+            if not current or current in self.parents:
+                return
+            stat = procscan.read_stat(current, self.proc_root)
+            if stat is None or stat["comm"] in NOT_WATCHED and not _is_init(current, self.proc_root):
+                return
+            if current not in self.killed and not self._watch(current, stat, record):
+                return
+            if stat["comm"].startswith(RESTARTERS) or (stat["session"] == current and stopsets.tty_of(current, self.proc_root)):
+                return   # the innermost manager, or the top of a login's programs (a session leader with a terminal)
+            current = stat["ppid"]
+
+    def _watch(self, pid, stat, record):
+        """Watch pid; False when it is an init, watched only for a service's holder, and the chain ends there."""
+        init = _is_init(pid, self.proc_root)
         unit = service_unit(record.get("cgroup")) if init else None
         if init and not unit:
-            return  # an orphan's adopter restarts nothing
-        self.parents[ppid] = {"pid": ppid, "name": stat["comm"], "starttime": stat["starttime"],
-                              "chain": _chain(ppid, self.proc_root), "unit": unit, "cgroup": record.get("cgroup"),
-                              "killed_names": set([record["name"]])}
+            return False  # an orphan's adopter restarts nothing
+        self.parents[pid] = {"pid": pid, "name": stat["comm"], "starttime": stat["starttime"],
+                             "chain": _chain(pid, self.proc_root), "unit": unit, "cgroup": record.get("cgroup")}
+        return not init
 
     def live_parents(self):
         return [p for p in self.parents.values() if procscan.same_process(p["pid"], p["starttime"], self.proc_root)]
@@ -112,7 +152,7 @@ class RespawnWatch(object):
         return out
 
     def _watched_parent(self, pid, new):
-        """The watched parent pid descends from through processes started after the kill, or None."""
+        """The watched ancestor pid descends from through processes started after the kill, or None."""
         current = pid
         for dummy in range(CHAIN_MAX):
             ppid = new[current]["ppid"]
@@ -124,19 +164,24 @@ class RespawnWatch(object):
             current = ppid
         return None
 
-    def _maps_target(self, pid):
+    def _context_on_target(self, pid):
+        """True when pid maps a targeted GPU with a context's signature (CONTEXT_MAP_LINES lines, row 12): a GPU it
+        only sees (2 lines, row 9) is not one."""
         try:
             maps = procscan.read_bytes("%s/%d/maps" % (self.proc_root, pid))
         except OSError:
             return False
         root = "%s/%d/root" % (self.proc_root, pid)
-        for path in procscan.parse_maps_counts(maps, self.devices):
+        for path, lines in procscan.parse_maps_counts(maps, self.devices).items():
             kind = self.devices.classify(path)
-            if not kind or kind[0] != "gpu":
+            if not kind or kind[0] != "gpu" or lines < pinning.CONTEXT_MAP_LINES:
                 continue
             if None in self.target_minors or procscan.gpu_minor(path, self.devices, root) in self.target_minors:
                 return True
         return False
+
+    def _same_program(self, pid):
+        return bool(identity(pid, self.proc_root) & self.identities)
 
     def _cgroup(self, pid):
         try:
@@ -147,8 +192,9 @@ class RespawnWatch(object):
     def poll(self, nvml_named=None):
         """The first respawn seen now, as the `respawned` dict, or None.
 
-        nvml_named, when given, is called only while a new child maps nothing targeted yet, and returns
-        the pids NVML names on a targeted GPU.
+        A respawn is the same program as a killed holder (identity) started under a watched ancestor after the kill,
+        holding a targeted GPU by the pinning rule: a context mapped on it, and NVML naming it on a targeted GPU when
+        nvml_named (called once per poll, only when needed) is given.
         """
         if self.found is not None or not self.parents:
             return self.found
@@ -162,13 +208,12 @@ class RespawnWatch(object):
                 continue
             if parent["unit"] and self._cgroup(pid) != parent["cgroup"]:
                 continue  # an init's new child of another unit
-            hit = self._maps_target(pid)
-            if not hit:
+            if self._context_on_target(pid) and self._same_program(pid):
                 if named is None:
-                    named = set(nvml_named()) if nvml_named is not None else set()
-                hit = "named by NVML on a targeted GPU" if pid in named else False
-            if hit and procscan.same_process(pid, stat["starttime"], self.proc_root):
-                return self._found(pid, stat, parent, "maps a targeted GPU" if hit is True else hit)
+                    named = set(nvml_named()) if nvml_named is not None else None
+                if (named is None or pid in named) and procscan.same_process(pid, stat["starttime"], self.proc_root):
+                    return self._found(pid, stat, parent, "the same program as a killed holder, holding a targeted "
+                                       "GPU (a context mapped%s)" % ("" if named is None else ", named by NVML"))
             pending[pid] = (stat, parent)
         self.pending = pending
         return None
@@ -180,14 +225,14 @@ class RespawnWatch(object):
         return self.found
 
     def starting_again(self):
-        """At the window's end: a new child, still starting (no GPU yet), named like a holder killed under the
-        same parent. A real CUDA program takes seconds to map its context; the same program started again
-        under the same parent after the kill is a respawn all the same."""
+        """At the window's end: a new process under a watched ancestor, still starting (no GPU yet), that is the same
+        program as a killed holder (its argv apart from numbers, its unit or its supervisord program). A real CUDA
+        program takes seconds to map its context; the same program started again after the kill is a respawn."""
         if self.found is not None:
             return self.found
         for pid, (stat, parent) in sorted(self.pending.items()):
-            if stat["comm"] in parent["killed_names"] and procscan.same_process(pid, stat["starttime"], self.proc_root):
-                return self._found(pid, stat, parent, "started again under the same parent as killed %s, still "
+            if self._same_program(pid) and procscan.same_process(pid, stat["starttime"], self.proc_root):
+                return self._found(pid, stat, parent, "the same program as a killed %s started again, still "
                                    "starting (no GPU mapped yet)" % stat["comm"])
         return None
 

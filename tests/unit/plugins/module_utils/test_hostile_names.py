@@ -7,7 +7,7 @@ import os
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
-from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
+from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
 
@@ -94,7 +94,7 @@ def test_a_users_supervisord_program_named_like_a_node_daemon_is_no_node_service
     environ(proc, 40, SUPERVISOR_PROCESS_NAME="nvidia-persistenced", SUPERVISOR_GROUP_NAME="nvidia-persistenced")
     node_namespaces(proc, 39, 40)
     record = {"pid": 40, "ppid": 39, "container": node.HOST, "cgroup": USER_SESSION[3:].strip()}
-    assert units.node_service(record, proc.root) is None
+    assert stopsets.node_service(record, proc.root) is None
 
 
 def test_a_user_unit_named_like_a_node_service_is_no_node_service(proc):
@@ -103,7 +103,7 @@ def test_a_user_unit_named_like_a_node_service_is_no_node_service(proc):
     cgroup = "/user.slice/user-1000.slice/user@1000.service/app.slice/pveproxy.service"
     proc.add(41, comm="nvidia-persiste", uid=0, cgroup="0::%s\n" % cgroup)
     node_namespaces(proc, 41)
-    assert units.node_service({"pid": 41, "ppid": 1, "container": node.HOST, "cgroup": cgroup}, proc.root) is None
+    assert stopsets.node_service({"pid": 41, "ppid": 1, "container": node.HOST, "cgroup": cgroup}, proc.root) is None
 
 
 def test_a_root_system_service_of_the_node_is_stopped_with_the_managers_tool_of_a_system_folder(proc, tmp_path, monkeypatch):
@@ -117,9 +117,9 @@ def test_a_root_system_service_of_the_node_is_stopped_with_the_managers_tool_of_
     proc.add(44, comm="nvidia-persiste", ppid=43, uid=0, cgroup="0::/supervisor\n")
     environ(proc, 44, SUPERVISOR_PROCESS_NAME="nvidia-persistenced")
     node_namespaces(proc, 42, 43, 44)
-    unit = units.node_service({"pid": 42, "ppid": 1, "container": node.HOST, "cgroup": cgroup}, proc.root)
+    unit = stopsets.node_service({"pid": 42, "ppid": 1, "container": node.HOST, "cgroup": cgroup}, proc.root)
     assert unit["stop"] == [systemctl, "stop", "nvidia-persistenced.service"], unit
-    program = units.node_service({"pid": 44, "ppid": 43, "container": node.HOST, "cgroup": "/supervisor"},
+    program = stopsets.node_service({"pid": 44, "ppid": 43, "container": node.HOST, "cgroup": "/supervisor"},
                                  proc.root)
     assert program["stop"] == [supervisorctl, "-c", "/etc/s.conf", "stop", "nvidia-persistenced:nvidia-persistenced"]
 
@@ -141,11 +141,11 @@ def test_a_system_units_daemon_that_dropped_root_is_still_its_service_and_a_user
     for pid, job in jobs:
         proc.add(pid, comm="nvidia-persiste", uid=1000, cgroup="0::%s\n" % job)
     node_namespaces(proc, 45, 46, 47, 48, 49)
-    unit = units.node_service({"pid": 45, "ppid": 1, "container": node.HOST, "cgroup": cgroup}, proc.root)
+    unit = stopsets.node_service({"pid": 45, "ppid": 1, "container": node.HOST, "cgroup": cgroup}, proc.root)
     assert unit["stop"] == [systemctl, "stop", "nvidia-persistenced.service"], unit
-    assert units.node_service({"pid": 47, "ppid": 46, "container": node.HOST, "cgroup": "/supervisor"}, proc.root) is None
+    assert stopsets.node_service({"pid": 47, "ppid": 46, "container": node.HOST, "cgroup": "/supervisor"}, proc.root) is None
     for pid, job in jobs:
-        assert units.node_service({"pid": pid, "ppid": 1, "container": node.HOST, "cgroup": job}, proc.root) is None, job
+        assert stopsets.node_service({"pid": pid, "ppid": 1, "container": node.HOST, "cgroup": job}, proc.root) is None, job
 
 
 def test_a_process_whose_cgroup_cannot_be_read_is_unknown_never_the_nodes(proc, monkeypatch):
@@ -161,7 +161,7 @@ def test_a_process_whose_cgroup_cannot_be_read_is_unknown_never_the_nodes(proc, 
     record = [h for h in engine.snapshot([0]).holders if h["pid"] == 50][0]
     assert record["container"] is None, record["container"]
     assert node.Scope([101], host_processes=True, proc_root=proc.root).reason(record) == "its container cannot be read"
-    assert units.node_service(record, proc.root) is None
+    assert stopsets.node_service(record, proc.root) is None
     assert node.container_of_pid(50, proc.root) is None
 
 

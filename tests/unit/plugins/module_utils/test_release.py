@@ -684,12 +684,24 @@ def test_the_container_rung_reads_the_lock_again_right_before_the_restart():
 
 
 def test_a_container_restart_counts_an_unpinned_holders_other_gpus_as_collateral():
-    from ansible_collections.gpuops.fleet.plugins.module_utils._decide import restart_collateral
-    pinned = {"gpus": [0, 2], "shares_mib": {0: 9000, 2: 5000}, "context_gpus": [0, 2], "ambiguous_gpus": []}
-    unpinned = {"gpus": [], "shares_mib": {}, "context_gpus": [0, 1, 3], "ambiguous_gpus": [], "unattributed": True}
-    assert restart_collateral([pinned], {0}, 640) == [(2, 5000)]
-    assert restart_collateral([pinned, unpinned], {0}, 640) == [(1, None), (2, 5000), (3, None)]
-    assert restart_collateral([unpinned], {0, 1, 3}, 640) == []
+    """A planned holder's untargeted shares count over the tolerance; any other process's GPUs by may_hold, with no
+    tolerance (issue 42 C1: a process whose only work is small on an untargeted GPU is still collateral)."""
+    from types import SimpleNamespace
+    from ansible_collections.gpuops.fleet.plugins.module_utils._decide import set_collateral
+    base = {"maps_gpus": [], "unknown_gpus": [], "context_gpus": []}
+    pinned = dict(base, pid=10, gpus=[0, 2], shares_mib={0: 9000, 2: 5000}, ambiguous_gpus=[], maps_gpus=[0, 2])
+    unpinned = dict(base, pid=11, gpus=[], shares_mib={}, ambiguous_gpus=[], maps_gpus=[0, 1, 3], context_gpus=[0, 1, 3])
+    small = dict(base, pid=12, gpus=[1], shares_mib={1: 600}, ambiguous_gpus=[], maps_gpus=[0, 1], context_gpus=[1])
+    report = SimpleNamespace(holders=[pinned, unpinned, small], gpus=[{"index": i} for i in range(4)], unreadable=[])
+    members = [{"pid": p, "name": "p%d" % p} for p in (10, 11, 12, 13)]
+
+    def lost(targets, planned):
+        return [(c["pid"], c["gpus"]) for c in set_collateral(members, report, targets, planned, 640)]
+    assert lost({0}, {10}) == [(10, [2]), (11, [1, 3]), (12, [1])]
+    assert lost({0, 2}, {10}) == [(11, [1, 3]), (12, [1])]       # 600 MiB on untargeted GPU 1: no tolerance
+    assert lost({0, 1, 2, 3}, {10}) == []
+    pinned["shares_mib"][2] = 600                              # a planned holder's bare context stays tolerated
+    assert lost({0, 1, 3}, {10, 11, 12}) == []
 
 
 def test_a_rank_that_dies_during_the_run_charges_its_residue_to_the_survivors(proc):

@@ -13,7 +13,7 @@ KILL = 5000   # clock ticks: what started before was there before the kill
 
 
 def killed(pid, ppid, cgroup="0::/lxc/101/ns\n"):
-    return {"pid": pid, "ppid": ppid, "name": "python3", "cgroup": procscan.parse_cgroup(cgroup)}
+    return {"pid": pid, "ppid": ppid, "name": "python3", "cgroup": procscan.parse_cgroup(cgroup), "_argv": ["python3"]}
 
 
 def watch_of(proc, *records, targets=(0,)):
@@ -47,9 +47,12 @@ def test_what_started_before_the_kill_or_maps_no_target_is_no_respawn(proc):
     proc.add(43, comm="python3", ppid=7, starttime=KILL + 5, maps=ctx(0))      # under another parent
     watch = watch_of(proc, killed(50, 40))
     assert watch.poll() is None and list(watch.pending) == [42]
-    # NVML names the pending worker on a targeted GPU: a respawn, though it maps no target yet
-    found = watch.poll(lambda: [42])
-    assert found["pid"] == 42 and found["parent_name"] == "torchrun"
+    # NVML names it on a targeted GPU it has no context on: a stale entry by the pinning rule, no respawn (issue 42 C3)
+    assert watch.poll(lambda: [42]) is None
+    proc.add(44, comm="python3", ppid=40, starttime=KILL + 6, maps=ctx(0))     # a context on GPU 0, NVML silent
+    assert watch.poll(lambda: []) is None
+    found = watch.poll(lambda: [44])                                           # NVML names it: held by the rule
+    assert found["pid"] == 44 and found["parent_name"] == "torchrun"
 
 
 def test_a_grandchild_through_a_wrapper_started_after_the_kill_is_a_respawn(proc):

@@ -5,6 +5,7 @@ import stat
 import threading
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
 from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
 
 
@@ -19,8 +20,10 @@ def environ(proc, pid, **env):
 
 def test_a_systemd_unit_is_named_by_the_holders_cgroup_inside_its_container(proc):
     proc.add(500, cgroup="0::/lxc/101/ns/system.slice/vllm-server.service\n")
-    found = units.find(holder(500, "0::/lxc/101/ns/system.slice/vllm-server.service\n"), proc.root)
-    assert found == {"vmid": 101, "kind": "systemd", "name": "vllm-server.service",
+    found = stopsets.find(holder(500, "0::/lxc/101/ns/system.slice/vllm-server.service\n"), proc.root)
+    assert found["members"] == [{"pid": 500, "name": "python3",
+                                 "why": "in the unit's cgroup /system.slice/vllm-server.service"}]
+    assert dict((k, found[k]) for k in ("vmid", "kind", "name", "argv", "evidence")) == {"vmid": 101, "kind": "systemd", "name": "vllm-server.service",
                      "argv": ["systemctl", "stop", "vllm-server.service"],
                      "evidence": "its cgroup in the container is /system.slice/vllm-server.service"}
 
@@ -31,7 +34,7 @@ def test_a_supervisord_program_is_named_by_its_environment_under_supervisord(pro
     proc.add(41, comm="sh", ppid=40)
     proc.add(42, comm="python3", ppid=41)                       # a worker of the program's shell
     environ(proc, 41, SUPERVISOR_PROCESS_NAME="worker_1", SUPERVISOR_GROUP_NAME="workers", SECRET="x")
-    found = units.find(holder(42, "0::/lxc/101/ns/init.scope\n"), proc.root)
+    found = stopsets.find(holder(42, "0::/lxc/101/ns/init.scope\n"), proc.root)
     assert (found["kind"], found["name"], found["argv"]) == (
         "supervisord", "workers:worker_1", ["supervisorctl", "-c", "/etc/sup.conf", "stop", "workers:worker_1"])
     assert "pid 41 runs under supervisord (pid 40 on the node)" in found["evidence"] and "SECRET" not in str(found)
@@ -41,20 +44,20 @@ def test_nothing_is_found_for_the_node_for_a_plain_parent_or_for_odd_names(proc)
     proc.add(1, comm="init", ppid=0)
     proc.add(40, comm="bash", ppid=1)
     proc.add(42, comm="python3", ppid=40)
-    assert units.find(holder(42, "0::/user.slice\n", container="host"), proc.root) is None
-    assert units.find(holder(42, "0::/lxc/101/ns/init.scope\n"), proc.root) is None
-    assert units.find(holder(42, "0::/lxc/101/ns/system.slice/a;b.service\n"), proc.root) is None
+    assert stopsets.find(holder(42, "0::/user.slice\n", container="host"), proc.root) is None
+    assert stopsets.find(holder(42, "0::/lxc/101/ns/init.scope\n"), proc.root) is None
+    assert stopsets.find(holder(42, "0::/lxc/101/ns/system.slice/a;b.service\n"), proc.root) is None
     proc.add(50, comm="supervisord", ppid=1)
     proc.add(51, comm="python3", ppid=50)
     environ(proc, 51, SUPERVISOR_PROCESS_NAME="x; reboot")
-    assert units.find(holder(51, "0::/lxc/101/ns/init.scope\n"), proc.root) is None
+    assert stopsets.find(holder(51, "0::/lxc/101/ns/init.scope\n"), proc.root) is None
 
 
 def test_found_for_gives_one_stop_per_unit_with_every_pid_it_runs(proc):
     cg = "0::/lxc/102/ns/system.slice/sglang.service\n"
     for pid in (60, 61):
         proc.add(pid, cgroup=cg)
-    found = units.found_for([holder(60, cg, "102"), holder(61, cg, "102"), holder(70, "0::/x\n", "host")], proc.root)
+    found = stopsets.found_for([holder(60, cg, "102"), holder(61, cg, "102"), holder(70, "0::/x\n", "host")], proc.root)
     assert [(u["vmid"], u["name"], u["pids"]) for u in found] == [(102, "sglang.service", [60, 61])]
 
 
@@ -125,13 +128,13 @@ def test_docker_inside_lxc_is_named_by_the_holders_cgroup_with_either_driver(pro
     for pid, cgroup in ((500, "0::/lxc/101/ns/system.slice/docker-%s.scope\n" % DOCKER_ID),   # systemd driver
                         (502, "0::/lxc/101/ns/docker/%s\n" % DOCKER_ID)):                     # cgroupfs driver
         proc.add(pid, cgroup=cgroup)
-        found = units.find(holder(pid, cgroup), proc.root)
+        found = stopsets.find(holder(pid, cgroup), proc.root)
         assert (found["vmid"], found["kind"], found["name"], found["argv"]) == (
             101, "docker", DOCKER_ID[:12], ["docker", "stop", DOCKER_ID])
         assert found["evidence"].startswith("its cgroup in the container is /")
     bad = "0::/lxc/101/ns/system.slice/docker-%s.scope\n" % ("z" * 64)
     proc.add(501, cgroup=bad)
-    assert units.find(holder(501, bad), proc.root) is None
+    assert stopsets.find(holder(501, bad), proc.root) is None
 
 
 def test_docker_inside_lxc_is_found_from_its_shim_before_a_supervisord_inside_it(proc):
@@ -141,11 +144,11 @@ def test_docker_inside_lxc_is_found_from_its_shim_before_a_supervisord_inside_it
     proc.add(31, comm="supervisord", ppid=30, argv=["/usr/bin/python3", "/usr/bin/supervisord", "-c", "/etc/s.conf"])
     proc.add(32, comm="python3", ppid=31)
     environ(proc, 32, SUPERVISOR_PROCESS_NAME="server", SUPERVISOR_GROUP_NAME="server")
-    found = units.find(holder(32, "0::/lxc/101/ns/init.scope\n"), proc.root)
+    found = stopsets.find(holder(32, "0::/lxc/101/ns/init.scope\n"), proc.root)
     assert (found["kind"], found["argv"]) == ("docker", ["docker", "stop", DOCKER_ID])
     assert "pid 31 runs under containerd-shim (pid 30 on the node) as docker container %s" % DOCKER_ID[:12] \
         in found["evidence"]
     proc.add(40, comm="containerd-shim", ppid=1,                     # a containerd (not docker) namespace: not docker's
              argv=["/usr/bin/containerd-shim-runc-v2", "-namespace", "k8s.io", "-id", DOCKER_ID])
     proc.add(41, comm="python3", ppid=40)
-    assert units.find(holder(41, "0::/lxc/101/ns/init.scope\n"), proc.root) is None
+    assert stopsets.find(holder(41, "0::/lxc/101/ns/init.scope\n"), proc.root) is None

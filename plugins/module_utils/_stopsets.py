@@ -1,0 +1,358 @@
+# Copyright (c) 2026 gpuops
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Stop sets, read from the node (private helper, evidence): what a stop bigger than one process would take.
+
+A container's holder may run under its own grouping of one program: a systemd unit (the processes of its cgroup,
+inside the container: lxc/VMID/ns/system.slice/NAME.service), a user's unit (user@UID.service/.../NAME.service,
+stopped through that user's manager), a supervisord program (its process, which supervisord starts with
+SUPERVISOR_PROCESS_NAME in its environment, and that process's tree), or a docker container (the processes under
+its containerd shim, or of its cgroup). This file reads which grouping is the innermost one above a holder, never
+past the container's init, and every member of it with why it is a member. Whether it may be stopped is the decide
+layer's (_decide.stop_set_verdict); its stop is the act layer's (_units). A holder in a container nested inside the
+container has no stop set. No AnsibleModule here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+
+# names passed to the container's manager (argv, no shell): a unit may carry systemd's \x escapes
+_UNIT_RE = re.compile(r"^[A-Za-z0-9:_.@\\-]+\.(?:service|scope)$")
+_PROGRAM_RE = re.compile(r"^[A-Za-z0-9:_.@-]+$")
+_DOCKER_CGROUP_RE = re.compile(r"(?:/docker-([0-9a-f]{64})\.scope|/docker/([0-9a-f]{64}))(?:/|$)")
+_DOCKER_ID_RE = re.compile(r"^[0-9a-f]{64}$")
+_USER_MANAGER_RE = re.compile(r"^user@(\d+)\.service$")
+SHIM_PREFIX = "containerd-shim"   # comm of containerd-shim-runc-v2 (15 characters kept)
+CHAIN_MAX = 64
+SHELLS = ("sh", "bash", "dash", "zsh", "ksh", "fish", "tcsh", "csh")
+
+
+def docker_shim_id(pid, proc_root):
+    """The docker container id a containerd shim runs (`-namespace moby -id ID`), or None."""
+    argv = _argv(pid, proc_root)
+    options = dict(zip(argv, argv[1:]))
+    found = options.get("-id")
+    return found if options.get("-namespace") == "moby" and found and _DOCKER_ID_RE.match(found) else None
+
+
+def _argv(pid, proc_root):
+    try:
+        raw = procscan.read_bytes("%s/%d/cmdline" % (proc_root, pid))
+    except OSError:
+        return []
+    return [a.decode("utf-8", "replace") for a in raw.split(b"\0")]
+
+
+def supervisord_config(pid, proc_root):
+    """The -c/--configuration of a supervisord process (a path inside its container), or None."""
+    argv = _argv(pid, proc_root)
+    for i, arg in enumerate(argv):
+        if arg in ("-c", "--configuration") and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--configuration="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def supervisord_program(pid, proc_root):
+    """GROUP:NAME of pid, a program's process (supervisord puts SUPERVISOR_PROCESS_NAME and SUPERVISOR_GROUP_NAME in
+    its environment), or None."""
+    env = procscan.read_environ(pid, proc_root, ("SUPERVISOR_PROCESS_NAME", "SUPERVISOR_GROUP_NAME"))
+    name = env.get("SUPERVISOR_PROCESS_NAME")
+    group = env.get("SUPERVISOR_GROUP_NAME") or name
+    if not name or not _PROGRAM_RE.match(name) or not _PROGRAM_RE.match(group):
+        return None
+    return "%s:%s" % (group, name)
+
+
+def systemd_unit(inner):
+    """(manager uid or None for the system manager, unit path, unit name) of a cgroup path inside a container: the
+    first component below the slices is the system manager's unit; inside user@UID.service, the first one below that
+    user's slices is the user manager's. None when the path names no unit (a nested container's cgroup, docker's
+    cgroupfs folder, the container's root)."""
+    parts = [p for p in str(inner or "").split("/") if p]
+    uid, at = None, 0
+    while True:
+        while at < len(parts) and parts[at].endswith(".slice"):
+            at += 1
+        if at >= len(parts):
+            return None
+        manager = _USER_MANAGER_RE.match(parts[at])
+        if manager is None or uid is not None or at + 1 >= len(parts):
+            break
+        uid, at = int(manager.group(1)), at + 1
+    name = parts[at]
+    if not name.endswith((".service", ".scope")):
+        return None
+    return uid, "/" + "/".join(parts[:at + 1]), name
+
+
+class Processes(object):
+    """The processes of one container in one walk: stat, inner cgroup and children, from the snapshot's table when
+    it has them, else read now (bounded readers)."""
+
+    def __init__(self, vmid, proc_root="/proc", table=None):
+        self.vmid, self.proc_root = str(vmid), proc_root
+        self.stats, self.inner = {}, {}
+        stats = getattr(table, "stats", None) or {}
+        cgroups = getattr(table, "cgroups", None) or {}
+        pids = sorted(cgroups) if cgroups else [int(n) for n in os.listdir(proc_root) if n.isdigit()]
+        for pid in pids:
+            cgroup = cgroups[pid] if pid in cgroups else procscan.read_cgroup(pid, proc_root)
+            if node.where_of_cgroup(cgroup) != self.vmid:
+                continue
+            stat = stats.get(pid) or procscan.read_stat(pid, proc_root)
+            if stat is not None:
+                self.stats[pid], self.inner[pid] = stat, node.inner_cgroup(cgroup)
+        self.children = {}
+        for pid, stat in self.stats.items():
+            self.children.setdefault(stat["ppid"], []).append(pid)
+
+    def name(self, pid):
+        stat = self.stats.get(pid)
+        return stat["comm"] if stat else None
+
+    def tree(self, top):
+        """top and every process below it in this container."""
+        out, todo = [], [top]
+        while todo and len(out) < 1 << 16:
+            pid = todo.pop()
+            out.append(pid)
+            todo.extend(self.children.get(pid, ()))
+        return sorted(out)
+
+    def chain(self, pid):
+        """pid and its ancestors inside this container, holder first; the container's init last (when reached)."""
+        out = []
+        while pid in self.stats and pid not in out and len(out) < CHAIN_MAX:
+            out.append(pid)
+            pid = self.stats[pid]["ppid"]
+        return out
+
+
+def _nspid_depth(pid, proc_root):
+    try:
+        status = procscan.parse_status(procscan.read_text("%s/%d/status" % (proc_root, pid)))
+    except OSError:
+        return None
+    return len(status.get("nspid") or ()) or None
+
+
+def tty_of(pid, proc_root):
+    """The tty_nr of /proc/PID/stat (0: no controlling terminal), or None."""
+    try:
+        return int(procscan.read_text("%s/%d/stat" % (proc_root, pid)).rpartition(")")[2].split()[4])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _main(procs, pid, proc_root):
+    stat = procs.stats.get(pid) or {}
+    name = stat.get("comm")
+    shell = name in SHELLS and stat.get("session") == pid and bool(tty_of(pid, proc_root))
+    return {"pid": pid, "name": name, "session_shell": shell}
+
+
+def _entry(vmid, kind, name, argv, main, members, chain, evidence, manager_uid=None):
+    return {"vmid": int(vmid), "kind": kind, "name": name, "argv": argv, "main": main, "members": members,
+            "chain": chain, "evidence": evidence, "manager_uid": manager_uid, "problem": None}
+
+
+def no_set(vmid, problem, chain=()):
+    """A holder's answer when it has no stop set: problem says why (a nested container, a chain that cannot be
+    read)."""
+    return {"vmid": int(vmid), "kind": None, "name": None, "argv": None, "main": None, "members": [],
+            "chain": list(chain), "evidence": problem, "manager_uid": None, "problem": problem}
+
+
+def _members(procs, pids, why):
+    return [{"pid": p, "name": procs.name(p), "why": why(p)} for p in sorted(pids)]
+
+
+def _docker_by_shim(procs, chain, vmid, proc_root):
+    for below, shim in zip(chain, chain[1:]):
+        if not (procs.name(shim) or "").startswith(SHIM_PREFIX):
+            continue
+        container_id = docker_shim_id(shim, proc_root)
+        if container_id is None:
+            return None
+        members = _members(procs, procs.tree(below), lambda p: "under docker container %s's containerd-shim (pid %d)"
+                           % (container_id[:12], shim))
+        return _entry(vmid, "docker", container_id[:12], ["docker", "stop", container_id], _main(procs, below, proc_root),
+                      members, chain, "pid %d runs under containerd-shim (pid %d on the node) as docker container %s"
+                      % (below, shim, container_id[:12]))
+    return None
+
+
+def _in_cgroup(procs, path):
+    return [p for p, inner in procs.inner.items() if inner == path or (inner or "").startswith(path + "/")]
+
+
+def _tops(procs, pids):
+    """The members whose parent is no member: the processes the set's manager started."""
+    inside = set(pids)
+    return sorted(p for p in pids if procs.stats[p]["ppid"] not in inside)
+
+
+def _by_cgroup(procs, pids, proc_root):
+    tops = _tops(procs, pids)
+    if len(tops) == 1:
+        return _main(procs, tops[0], proc_root)
+    return {"pid": None, "name": None, "session_shell": False, "tops": tops}
+
+
+def _docker_by_cgroup(procs, holder, chain, vmid, proc_root):
+    found = _DOCKER_CGROUP_RE.search(procs.inner.get(holder) or "")
+    if found is None:
+        return None
+    container_id = found.group(1) or found.group(2)
+    path = procs.inner[holder][:found.end()].rstrip("/")
+    pids = _in_cgroup(procs, path)
+    members = _members(procs, pids, lambda p: "in docker container %s's cgroup %s" % (container_id[:12], path))
+    return _entry(vmid, "docker", container_id[:12], ["docker", "stop", container_id],
+                  _by_cgroup(procs, pids, proc_root), members, chain,
+                  "its cgroup in the container is %s" % procs.inner[holder])
+
+
+def _supervisord(procs, chain, vmid, proc_root):
+    for below, parent in zip(chain, chain[1:]):
+        if procs.name(parent) != "supervisord":
+            continue
+        program = supervisord_program(below, proc_root)
+        if program is None:
+            return None
+        conf = supervisord_config(parent, proc_root)
+        members = _members(procs, procs.tree(below), lambda p, b=below: (
+            "the program's process (started by supervisord pid %d)" % parent if p == b else
+            "a descendant of the program's process pid %d" % b))
+        argv = ["supervisorctl"] + (["-c", conf] if conf else []) + ["stop", program]
+        return _entry(vmid, "supervisord", program, argv, _main(procs, below, proc_root), members, chain,
+                      "pid %d runs under supervisord (pid %d on the node) as program %s" % (below, parent, program))
+    return None
+
+
+def _systemd(procs, holder, chain, vmid, proc_root):
+    unit = systemd_unit(procs.inner.get(holder))
+    if unit is None or not unit[2].endswith(".service") or not _UNIT_RE.match(unit[2]):
+        return None   # a scope (a login's session, docker's, init's) is started by another manager: no unit to stop
+    uid, path, name = unit
+    pids = _in_cgroup(procs, path)
+    members = _members(procs, pids, lambda p: "in the unit's cgroup %s" % path)
+    manager = [] if uid is None else ["--user", "-M", "%d@" % uid]
+    return _entry(vmid, "systemd" if uid is None else "systemd-user", name, ["systemctl"] + manager + ["stop", name],
+                  _by_cgroup(procs, pids, proc_root), members, chain,
+                  "its cgroup in the container is %s" % procs.inner[holder], manager_uid=uid)
+
+
+def find(record, proc_root="/proc", table=None, procs=None):
+    """The stop set of a container's holder (record, node view): the innermost grouping of one program above it, as
+    read now; a no_set() with its problem; or None for a process in no container. Keys: vmid, kind (systemd,
+    systemd-user, supervisord, docker), name, argv (its stop, run inside the container), main ({pid, name,
+    session_shell}; pid None with tops when the unit's cgroup has several), members ([{pid, name, why}]), chain (the
+    holder and its ancestors in the container, its init last), evidence, manager_uid, problem."""
+    vmid = record.get("container")
+    if not vmid or vmid in (node.HOST, node.UNATTRIBUTED):
+        return None
+    procs = procs or Processes(vmid, proc_root, table)
+    chain = procs.chain(record["pid"])
+    if not chain:
+        return no_set(vmid, "pid %d could not be read in container %s" % (record["pid"], vmid))
+    depth, init_depth = _nspid_depth(chain[0], proc_root), _nspid_depth(chain[-1], proc_root)
+    found = _docker_by_shim(procs, chain, vmid, proc_root) or _docker_by_cgroup(procs, chain[0], chain, vmid, proc_root)
+    if found is not None:
+        return found
+    if depth is None or init_depth is None:
+        return no_set(vmid, "the PID namespaces of pid %d and its container's init could not be read" % record["pid"],
+                      chain)
+    if depth > init_depth:
+        return no_set(vmid, "pid %d runs in a container nested inside container %s (its PID namespace is below the "
+                      "container's): its units and programs are that container's, which this release does not stop"
+                      % (record["pid"], vmid), chain)
+    return _supervisord(procs, chain, vmid, proc_root) or _systemd(procs, chain[0], chain, vmid, proc_root)
+
+
+def found_for(records, proc_root="/proc", table=None):
+    """The distinct stop sets of records (node view), each with the planned pids it covers ("pids"), in a stable
+    order; no_set() answers keyed by the holder."""
+    out, procs = {}, {}
+    for record in records:
+        vmid = record.get("container")
+        if not vmid or vmid in (node.HOST, node.UNATTRIBUTED):
+            continue
+        if vmid not in procs:
+            procs[vmid] = Processes(vmid, proc_root, table)
+        entry = find(record, proc_root, table, procs[vmid])
+        if entry is None:
+            continue
+        key = (entry["vmid"], entry["kind"] or "", entry["name"] or "pid %d" % record["pid"])
+        out.setdefault(key, dict(entry, pids=[], chains={}))["pids"].append(record["pid"])
+        out[key]["chains"][record["pid"]] = entry["chain"]
+    return [out[k] for k in sorted(out)]
+
+
+def container_members(vmid, proc_root="/proc", table=None):
+    """Every process of container vmid, as a container restart's members ([{pid, name, why}])."""
+    procs = Processes(vmid, proc_root, table)
+    return _members(procs, procs.stats, lambda p: "a process of container %s" % vmid)
+
+
+# the driver's daemons' own systemd units, whose processes may run as a user of their own
+DAEMON_UNITS = ("nvidia-persistenced.service", "nvidia-dcgm.service", "dcgm.service", "nv-hostengine.service",
+                "nvidia-fabricmanager.service", "dcgm-exporter.service")
+
+
+def node_service(record, proc_root="/proc"):
+    """The node's own service manager entry of a daemon of the node: a dict kind, name, stop, start (argv run on the
+    node), evidence; or None. Only a process of the node's root (its namespaces read and the node's, every uid 0), in
+    a systemd system unit (system.slice/NAME.service, never a user's slice) or a program of a root supervisord of the
+    node; the manager's tool is the one of a fixed system folder (node.system_tool), never one a process names. An
+    unread cgroup or container is unknown: None (issue 41). A process of a system unit may have dropped root
+    (nvidia-persistenced --user): a non-root one counts only in a unit of the driver's daemons (DAEMON_UNITS), since
+    a user's cron job, at job or mail pipe also runs in a system unit (cron.service), under its own uid. Whether a
+    unit found may be stopped for a reset (never a generic launcher's, issue 42) is the decide layer's."""
+    cgroup = record.get("cgroup")
+    if record.get("container") != node.HOST or node.where_of_cgroup(cgroup) != node.HOST or node.in_user_slice(cgroup):
+        return None
+    if node.in_own_namespaces(record["pid"], proc_root) is not True:
+        return None
+    unit = systemd_unit(cgroup)
+    if unit is not None:
+        root = node.root_owned(record["pid"], proc_root)
+        return _systemd_service(unit, cgroup) if root or unit[2] in DAEMON_UNITS else None
+    if not node.node_root_process(record["pid"], proc_root):
+        return None
+    return _supervisord_service(record, proc_root)
+
+
+def _systemd_service(unit, cgroup):
+    uid, dummy, name = unit
+    systemctl = node.system_tool("systemctl")
+    if uid is not None or not name.endswith(".service") or not _UNIT_RE.match(name) or systemctl is None:
+        return None
+    if "system.slice" not in cgroup.split("/"):
+        return None
+    return {"kind": "systemd", "name": name, "stop": [systemctl, "stop", name], "start": [systemctl, "start", name],
+            "evidence": "its cgroup is %s" % cgroup}
+
+
+def _supervisord_service(record, proc_root):
+    """record's program under its parent, a supervisord of the node's root (its cgroup no user's), or None."""
+    ppid = record.get("ppid")
+    parent = procscan.read_stat(ppid, proc_root) if ppid else None
+    if parent is None or parent["comm"] != "supervisord" or not node.node_root_process(ppid, proc_root):
+        return None
+    parent_cgroup = procscan.read_cgroup(ppid, proc_root)
+    if node.where_of_cgroup(parent_cgroup) != node.HOST or node.in_user_slice(parent_cgroup):
+        return None
+    full = supervisord_program(record["pid"], proc_root)
+    supervisorctl = node.system_tool("supervisorctl")
+    if full is None or supervisorctl is None:
+        return None
+    conf = supervisord_config(ppid, proc_root)
+    ctl = [supervisorctl] + (["-c", conf] if conf else [])
+    return {"kind": "supervisord", "name": full, "stop": ctl + ["stop", full], "start": ctl + ["start", full],
+            "evidence": "pid %d runs under supervisord (pid %d) as program %s" % (record["pid"], ppid, full)}

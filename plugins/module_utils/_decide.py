@@ -57,7 +57,7 @@ def reset_refusal(report, gpu, spared=()):
 # stop sets (issue 42): what never is one, and what a set's main process must not be
 GENERIC_UNITS = ("cron.service", "crond.service", "anacron.service", "atd.service", "ssh.service", "sshd.service",
                  "rc-local.service", "init.scope", "docker.service", "containerd.service", "systemd-logind.service",
-                 "console-getty.service", "container-getty.service", "supervisor.service", "supervisord.service")
+                 "console-getty.service", "container-getty.service")
 GENERIC_PREFIXES = ("getty@", "serial-getty@", "container-getty@", "console-getty@", "user@", "user-runtime-dir@",
                     "session-", "pve-container@", "lxc@", "ssh@", "sshd@", "run-")
 MANAGERS = ("supervisord", "dockerd", "containerd", "systemd", "init", "runsvdir", "s6-svscan", "sshd", "cron", "crond",
@@ -82,10 +82,10 @@ def _may_hold_untargeted(record, indexes, targets, planned, tolerance_mib):
     return out + [("minor %d" % m, None) for m in record.get("unknown_gpus") or ()]
 
 
-def set_collateral(members, report, targets, planned, tolerance_mib):
-    """The members of a stop set whose stop would take GPU work that is not targeted: [{pid, name, why}]."""
+def set_collateral(members, report, targets, all_gpu_indexes, planned, tolerance_mib):
+    """The members of a stop set whose stop would take GPU work that is not targeted: [{pid, name, gpus, why}]."""
     holders = dict((h["pid"], h) for h in report.holders)
-    indexes = sorted(g["index"] for g in report.gpus)
+    indexes = sorted(all_gpu_indexes)
     blocked = set(b["pid"] for b in getattr(report, "unreadable", ()))
     out = []
     for member in members:
@@ -127,7 +127,7 @@ def _structure_refusal(stop_set, planned, skipped):
     return None
 
 
-def stop_set_verdict(stop_set, report, targets, planned, skipped, collateral="refuse",
+def stop_set_verdict(stop_set, report, targets, all_gpu_indexes, planned, skipped, collateral="refuse",
                      tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB):
     """Whether a stop set may be stopped: {verdict (stop, refused, no set), reason, collateral}. Pure.
 
@@ -145,7 +145,7 @@ def stop_set_verdict(stop_set, report, targets, planned, skipped, collateral="re
         refusal = _structure_refusal(stop_set, planned, skipped)
         if refusal:
             return {"verdict": "refused", "reason": refusal, "collateral": []}
-    found = set_collateral(stop_set["members"], report, targets, planned, tolerance_mib)
+    found = set_collateral(stop_set["members"], report, targets, all_gpu_indexes, planned, tolerance_mib)
     if found and collateral != "stop":
         return {"verdict": "refused", "collateral": found, "reason": "stopping it would take GPU work that is not "
                 "targeted: %s; to go on, set collateral: stop" % "; ".join(

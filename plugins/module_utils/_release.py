@@ -623,8 +623,9 @@ class Releaser(object):
         if self.scope is None or self.engine.view != "node":
             return []
         skipped = dict((s["pid"], s["reason"]) for s in self.skipped)
-        self.stop_sets = units.plan_sets(report, self.to_signal, skipped, self.targets, self.collateral,
-                                         self.tolerance_mib, self.proc_root)
+        self.stop_sets = units.plan_sets(report, self.to_signal, skipped, self.targets,
+                                         [g["index"] for g in self.engine.gpus], self.collateral, self.tolerance_mib,
+                                         self.proc_root)
         for entry in self.plan:
             entry["stop_set"] = next(("%s %s in container %s: %s" % (UNIT_WORDS.get(s["kind"], s["kind"]), s["name"],
                                                                      s["vmid"], s["verdict"]) if s["kind"] else None
@@ -721,8 +722,8 @@ class Releaser(object):
         process whose only GPUs are not targeted)."""
         members = [{"pid": p["pid"], "name": p["name"], "why": "a process of container %s" % vmid} for p in processes]
         planned = [r["pid"] for r in self.to_signal] + list(self.signalled)
-        return stop_set_verdict({"kind": "container", "members": members}, report, self.targets, planned, {},
-                                self.collateral, self.tolerance_mib)
+        return stop_set_verdict({"kind": "container", "members": members}, report, self.targets,
+                                [g["index"] for g in self.engine.gpus], planned, {}, self.collateral, self.tolerance_mib)
 
     @staticmethod
     def _restart_words(vmid, verdict, count):

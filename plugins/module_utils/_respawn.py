@@ -19,6 +19,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
+from ansible_collections.gpuops.fleet.plugins.module_utils._decide import generic_unit
 
 CHAIN_MAX = 16
 # ancestors that start many programs for many people: the watch stops below them (a new login is no respawn)
@@ -66,16 +67,20 @@ def how_to_stop(parent, unit=None):
             "then release again" % (parent["pid"], parent["name"]))
 
 
-def identity(pid, proc_root, argv=None, cgroup=None):
-    """What makes a process the same program as another (C3): its argv apart from numbers, its unit (a cgroup that
-    names one, never a generic session or init scope), its supervisord program. A set of keys."""
+def identity(pid, proc_root, argv=None, cgroup=None, ppid=None):
+    """What makes a process the same program as another (C3): its argv apart from numbers; its unit when it is the
+    unit's main process (its parent an init: what Restart= starts again; never a generic unit); its supervisord
+    program. A set of keys."""
     if argv is None:
         argv = jobs.read_argv(pid, proc_root)
     out = set([("argv", tuple(jobs.NUMBERS.sub("#", a) for a in argv))]) if argv else set()
     if cgroup is None:
         cgroup = procscan.read_cgroup(pid, proc_root)
+    if ppid is None:
+        stat = procscan.read_stat(pid, proc_root)
+        ppid = stat["ppid"] if stat else None
     unit = service_unit(cgroup)
-    if unit and not unit.endswith(".scope") and not unit.startswith(("user@", "session-")):
+    if unit and unit.endswith(".service") and not generic_unit(unit) and ppid and _is_init(ppid, proc_root):
         out.add(("unit", cgroup))
     program = stopsets.supervisord_program(pid, proc_root)
     if program:
@@ -105,7 +110,8 @@ class RespawnWatch(object):
         never an init but for a service's holder, never above the container's init."""
         self.killed.add(record["pid"])
         self.parents.pop(record["pid"], None)
-        self.identities |= identity(record["pid"], self.proc_root, record.get("_argv") or None, record.get("cgroup"))
+        self.identities |= identity(record["pid"], self.proc_root, record.get("_argv") or None, record.get("cgroup"),
+                                    record.get("ppid"))
         current = record.get("ppid")
         for dummy in range(CHAIN_MAX):
             if not current or current in self.parents:

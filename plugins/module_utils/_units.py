@@ -48,14 +48,14 @@ KIND_WORDS = {"systemd": "unit", "systemd-user": "user unit", "supervisord": "su
 MEMBERS_SHOWN = 12
 
 
-def plan_sets(report, planned, skipped, targets, collateral, tolerance_mib, proc_root="/proc"):
+def plan_sets(report, planned, skipped, targets, all_gpu_indexes, collateral, tolerance_mib, proc_root="/proc"):
     """The stop sets of the planned holders (node view), each decided by _decide.stop_set_verdict on report (its
     members read now): [entry], entry as stopsets.find's plus pids (the planned holders it runs), chains, verdict,
     reason, collateral, how_to_stop and outcome (None until its stop ran)."""
     out = []
     for entry in stopsets.found_for(planned, proc_root, getattr(report, "scan", None)):
-        verdict = stop_set_verdict(entry, report, targets, [r["pid"] for r in planned], skipped, collateral,
-                                   tolerance_mib)
+        verdict = stop_set_verdict(entry, report, targets, all_gpu_indexes, [r["pid"] for r in planned], skipped,
+                                   collateral, tolerance_mib)
         out.append(dict(entry, how_to_stop=how_to_stop(entry), outcome=None, **verdict))
     return out
 

@@ -656,6 +656,7 @@ class StubBackend(object):
 class HeldByContainer(object):
     """An engine whose snapshot shows container 101 holding GPU 0."""
     proc_root = "/proc"
+    gpus = [{"index": 0}]
 
     def gpu(self, index):
         return {"index": index, "uuid": "GPU-00000000-0000-0000-0000-000000000000"}
@@ -692,11 +693,11 @@ def test_a_container_restart_counts_an_unpinned_holders_other_gpus_as_collateral
     pinned = dict(base, pid=10, gpus=[0, 2], shares_mib={0: 9000, 2: 5000}, ambiguous_gpus=[], maps_gpus=[0, 2])
     unpinned = dict(base, pid=11, gpus=[], shares_mib={}, ambiguous_gpus=[], maps_gpus=[0, 1, 3], context_gpus=[0, 1, 3])
     small = dict(base, pid=12, gpus=[1], shares_mib={1: 600}, ambiguous_gpus=[], maps_gpus=[0, 1], context_gpus=[1])
-    report = SimpleNamespace(holders=[pinned, unpinned, small], gpus=[{"index": i} for i in range(4)], unreadable=[])
+    report = SimpleNamespace(holders=[pinned, unpinned, small], unreadable=[])
     members = [{"pid": p, "name": "p%d" % p} for p in (10, 11, 12, 13)]
 
     def lost(targets, planned):
-        return [(c["pid"], c["gpus"]) for c in set_collateral(members, report, targets, planned, 640)]
+        return [(c["pid"], c["gpus"]) for c in set_collateral(members, report, targets, range(4), planned, 640)]
     assert lost({0}, {10}) == [(10, [2]), (11, [1, 3]), (12, [1])]
     assert lost({0, 2}, {10}) == [(11, [1, 3]), (12, [1])]       # 600 MiB on untargeted GPU 1: no tolerance
     assert lost({0, 1, 2, 3}, {10}) == []

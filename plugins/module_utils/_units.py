@@ -76,8 +76,8 @@ def set_words(entry):
     """One line of diagnosis on a stop set that is not stopped: the set, its other members, and what to do."""
     holders = ", ".join(str(p) for p in entry["pids"])
     if entry["verdict"] == "no set":
-        return "pid %s in container %s: no stop set (%s); only the holder is signalled" % (holders, entry["vmid"],
-                                                                                            entry["reason"])
+        return "pid %s in container %s: no stop set (%s); only the holder is signalled" % (
+            holders, entry["vmid"], entry["reason"])
     others = [m for m in entry["members"] if m["pid"] not in entry["pids"]]
     listed = ", ".join("%d (%s)" % (m["pid"], m["name"]) for m in others[:MEMBERS_SHOWN])
     more = "" if len(others) <= MEMBERS_SHOWN else " and %d more" % (len(others) - MEMBERS_SHOWN)

@@ -148,10 +148,13 @@ options:
     description:
       - On a node, the container rung. When SIGKILL leaves targeted memory held by a scoped container (its processes
         come back faster than they die, or a holder is stuck), stop and start that container, and verify again.
-      - A restart stops everything in the container, work on other GPUs, monitors and sshd included. RV(restart_plan)
-        lists every process and every GPU it affects, in check mode too. A container whose holders also hold an
-        untargeted GPU (beyond O(advanced.collateral_tolerance_mib)) makes the task fail before any signal unless
-        O(collateral=stop).
+      - A restart stops everything in the container, monitors and sshd included; C(container_restart=true) is the
+        consent for the processes that hold no GPU. RV(restart_plan) lists every process and every GPU it affects, in
+        check mode too. A container with GPU work that is not targeted makes the task fail before any signal unless
+        O(collateral=stop). Such work is a process that may hold an untargeted GPU and is not a planned holder
+        (whatever its size), or a planned holder's untargeted share beyond O(advanced.collateral_tolerance_mib).
+      - The restart is decided again on the snapshot taken right before the stop (GPU work started since the plan
+        refuses it), and runs only while a targeted GPU is still held there.
       - A container that is locked (backup, migrate, snapshot) or managed by HA is not restarted; the task fails
         naming the lock or the HA resource.
       - A thread stuck in the driver (D state) survives a container stop too; the stop then times out and the task
@@ -277,15 +280,28 @@ options:
         default: 4
       stop_found_units:
         description:
-          - On a node with O(containers), before any signal, stop what would start each planned holder again, inside its
-            container, through the container's own manager (C(lxc-attach -n VMID), no C(pct) start-up per call).
-          - A systemd unit is found from the holder's cgroup (C(lxc/VMID/ns/system.slice/NAME.service)); a supervisord
-            program from the holder or an ancestor whose parent is C(supervisord), by the C(SUPERVISOR_GROUP_NAME) and
+          - On a node with O(containers), before any signal, stop the stop set of each planned holder (what would start
+            it again), inside its container, through the container's own manager (C(lxc-attach -n VMID), no C(pct)
+            start-up per call). Only a set decided V(stop) in RV(stop_sets) is stopped; a set refused or not found is
+            never stopped, its holder is signalled alone, and the diagnosis names the set, its other members and what
+            to stop by hand.
+          - The innermost grouping above the holder, never past its container's init, is its set. A supervisord
+            program, from the holder or an ancestor whose parent is C(supervisord), by the C(SUPERVISOR_GROUP_NAME) and
             C(SUPERVISOR_PROCESS_NAME) that supervisord puts in its programs' environment (C(supervisorctl -c CONF stop
-            GROUP:NAME), CONF from supervisord's command line).
-          - RV(found_units) lists each unit with the pids it runs and the outcome of its stop; in check mode, what would
-            be stopped. Each stop is also an action (C(signal) is C(stop)). The GPUs are read again after the stops, and
-            the ladder runs on what is left.
+            GROUP:NAME), CONF from supervisord's command line), comes before the unit that runs supervisord. A systemd
+            unit is the first component below the slices of the holder's cgroup (C(lxc/VMID/ns/system.slice/NAME.service));
+            a user's unit (C(user@UID.service/.../NAME.service)) is stopped through that user's manager
+            (C(systemctl --user -M UID@ stop NAME)). A holder in a container nested inside the container has no set.
+          - A set is stopped only when it is one program's, the planned holder's, and takes no GPU work that is not
+            targeted. Refused are a generic launcher or session unit (C(cron), C(ssh), C(getty@), C(user@), session scopes,
+            C(rc-local), C(init.scope), C(docker.service), C(containerd.service) and the like); a set whose main process
+            manages several programs (C(supervisord), C(dockerd), C(containerd), a login shell) or is neither the holder
+            nor its ancestor; a set with a member that holds a targeted GPU and is not signalled; and, unless
+            O(collateral=stop), a set with a member that may hold an untargeted GPU (no tolerance for a process whose
+            only GPUs are untargeted). Members that hold no GPU go with their program.
+          - RV(found_units) lists each set stopped with the pids it runs and the outcome of its stop; in check mode, what
+            would be stopped. Each stop is also an action (C(signal) is C(stop)). The GPUs are read again after the
+            stops, and the ladder runs on what is left.
           - A docker container inside the LXC container (docker inside LXC) is found from the holder's cgroup
             (C(system.slice/docker-ID.scope) or C(docker/ID)) or from an ancestor C(containerd-shim) of docker's
             C(moby) namespace, and stopped with C(docker stop ID) inside the container; it comes before a supervisord
@@ -616,6 +632,8 @@ plan:
     - C(evidence) is the holder's evidence (see gpuops.fleet.gpu_info).
     - C(linked) lists the pids connected to it by TCP that are not of its job (see RV(linked)); they are signalled
       only for their own targeted GPUs.
+    - C(stop_set) (on a node with O(containers)) names its stop set and that set's verdict (see RV(stop_sets)), or
+      is null.
   returned: always
   type: list
   elements: dict
@@ -791,26 +809,49 @@ left_changed:
             "why": "exit 1: Job for nvidia-persistenced.service failed"}]
 found_units:
   description:
-    - With O(advanced.stop_found_units), what runs the planned holders in their containers (C(vmid), C(kind) C(systemd),
-      C(docker) or C(supervisord), C(name), C(pids), C(evidence)) and, once tried, C(outcome) (C(done...) or
-      C(failed...)).
+    - With O(advanced.stop_found_units), the stop sets decided V(stop) (see RV(stop_sets)) that run the planned holders
+      in their containers (C(vmid), C(kind) C(systemd), C(systemd-user), C(docker) or C(supervisord), C(name), C(pids),
+      C(evidence)) and, once tried, C(outcome) (C(done...) or C(failed...)).
   returned: always
   type: list
   elements: dict
   sample: [{"vmid": 101, "kind": "supervisord", "name": "gpu_worker:gpu_worker", "pids": [4388],
             "evidence": "pid 4388 runs under supervisord (pid 4101 on the node) as program gpu_worker:gpu_worker",
             "outcome": "done: gpu_worker:gpu_worker: stopped"}]
+stop_sets:
+  description:
+    - On a node with O(containers), every stop set of the planned holders, decided, whether or not
+      O(advanced.stop_found_units) stops it, in check mode too.
+    - C(vmid), C(kind) (C(systemd), C(systemd-user), C(supervisord), C(docker); null when there is none), C(name),
+      C(pids) (the planned holders it runs), C(main) (C(pid), C(name); the process its manager started), C(members)
+      (C(pid), C(name), C(why) each is in it), C(evidence), C(verdict) (V(stop), V(refused) or V(no set)), C(reason),
+      C(collateral) (members that may hold an untargeted GPU, with C(gpus) and C(why)), C(how_to_stop) (what to run
+      by hand) and C(outcome) (null until its stop ran; C(not run...) with O(advanced.stop_found_units) off).
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"vmid": 101, "kind": "supervisord", "name": "trainer:trainer", "pids": [4388],
+            "main": {"pid": 4388, "name": "python3", "session_shell": false},
+            "members": [{"pid": 4388, "name": "python3", "why": "the program's process (started by supervisord pid 4101)"}],
+            "evidence": "pid 4388 runs under supervisord (pid 4101 on the node) as program trainer:trainer",
+            "manager_uid": null, "problem": null, "verdict": "stop",
+            "reason": "every member is a planned holder or part of its program", "collateral": [],
+            "how_to_stop": "`pct exec 101 -- supervisorctl stop trainer:trainer`", "outcome": "done: trainer:trainer: stopped"}]
 respawned:
   description:
-    - The respawn that failed the task, null otherwise. C(pid) and C(name) are the new holder's (never signalled);
-      C(parent_pid) and C(parent_name) the killed holder's parent that started it; C(chain) that parent and its
-      ancestors up to pid 1 (C(pid), C(name)); C(unit) the systemd service when the parent is an init;
-      C(evidence) why it is a respawn (it maps a targeted GPU, NVML names it on one, or it is the killed
-      holder's program starting again); C(how_to_stop) what to stop before releasing again.
+    - The respawn that failed the task, null otherwise. A respawn is the same program as a killed holder (its
+      argv apart from numbers, its unit's main process, or its supervisord program) started again under one of the
+      killed holder's ancestors, watched up to its innermost manager (a wrapper that exits with its child does not
+      end the watch), that holds a targeted GPU by the pinning rule (a context mapped there, named by NVML), or that
+      is still starting when the window ends.
+    - C(pid) and C(name) are the new holder's (never signalled); C(parent_pid) and C(parent_name) the watched
+      ancestor that started it; C(chain) that ancestor and its ancestors up to pid 1 (C(pid), C(name)); C(unit) the
+      systemd service when the ancestor is an init; C(evidence) why it is a respawn; C(how_to_stop) what to stop
+      before releasing again.
   returned: always
   type: dict
   sample: {"pid": 702, "name": "python3", "parent_pid": 35, "parent_name": "sh", "unit": null,
-           "evidence": "maps a targeted GPU",
+           "evidence": "the same program as a killed holder, holding a targeted GPU (a context mapped, named by NVML)",
            "chain": [{"pid": 35, "name": "sh"}, {"pid": 12, "name": "bash"}, {"pid": 1, "name": "init"}],
            "how_to_stop": "stop pid 35 (sh) or what runs it first (a shell loop, a launcher such as torchrun, a
              supervisor), then release again"}

@@ -32,7 +32,7 @@ def playbook(lab, extra, check=False, reports=True, limit=None):
     file per container that the check and second plays' assertions do not read)."""
     report_dir = tempfile.mkdtemp(dir=lab.workdir, prefix="report-")
     variables = {"release_gpus_report_dir": report_dir if reports else "",
-                 # stop_found_units: off by default since issue 40, asked for here (each unit holds one program)
+                 # stop_found_units: on by default again since issue 42 (stop sets decided), asked for here all the same
                  "release_gpus_advanced": {"install_deps": False, "verify_timeout": 5, "stop_found_units": True},
                  "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5, "release_gpus_node_concurrency": 8}
     variables.update(extra)

@@ -71,7 +71,9 @@ gpu0_used() { nvidia-smi -i 0 --query-gpu=memory.used --format=csv,noheader,noun
 
 exec > >(tee "$OUT/stop-sets.log") 2>&1
 {
-    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ) | commit $(git rev-parse --short HEAD 2>/dev/null || echo ?)"
+    # the tree copied to the device may be ahead of the .git there: name the engine by its files' hash
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ) | plugins/ sha256 $(find plugins -name '*.py' -print0 | sort -z \
+        | xargs -0 sha256sum | sha256sum | cut -c1-12)"
     echo "GPU 0 used before anything: $(gpu0_used) MiB; compute apps: $(apps)"
     "${LXC[@]}" up .cache/real-lxc/debs "$VMID" 2>&1 | tail -2 || exit 3
     # the container's supervisorctl (its root is the host's; lxc-attach --clear-env gives it a plain PATH)

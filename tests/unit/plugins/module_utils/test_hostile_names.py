@@ -120,7 +120,7 @@ def test_a_root_system_service_of_the_node_is_stopped_with_the_managers_tool_of_
     unit = stopsets.node_service({"pid": 42, "ppid": 1, "container": node.HOST, "cgroup": cgroup}, proc.root)
     assert unit["stop"] == [systemctl, "stop", "nvidia-persistenced.service"], unit
     program = stopsets.node_service({"pid": 44, "ppid": 43, "container": node.HOST, "cgroup": "/supervisor"},
-                                 proc.root)
+                                    proc.root)
     assert program["stop"] == [supervisorctl, "-c", "/etc/s.conf", "stop", "nvidia-persistenced:nvidia-persistenced"]
 
 

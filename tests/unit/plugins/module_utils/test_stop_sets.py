@@ -318,3 +318,24 @@ def test_w1_a_respawn_behind_a_wrapper_that_exits_with_its_child_is_seen(proc):
     held(proc, 194, 193, NS + "\n", 0, starttime=KILL + 9, comm="python3", argv=["python3", "serve.py"])
     found = watch.poll(lambda: [194])
     assert found is not None and (found["pid"], found["parent_pid"]) == (194, 190), found
+
+
+def test_w1_a_wrapper_gone_before_the_watch_reads_it_is_walked_past_by_the_snapshot(proc):
+    """The lab's W1 (1 run in 6): the wrapper exits a few ms after its child, before the watch reads the ancestors.
+    The snapshot taken before the signal still has it: the walk goes on past it to the loop."""
+    container(proc)
+    proc.add(190, comm="sh", ppid=100, cgroup=NS + "\n", argv=["sh", "-c", "while :; do sh -c ...; done"])
+    proc.add(191, comm="sh", ppid=190, cgroup=NS + "\n", argv=["sh", "-c", "python3 serve.py; exit $?"])
+    snapshot = dict((pid, procscan.read_stat(pid, proc.root)) for pid in (100, 190, 191))
+    import shutil
+    shutil.rmtree(os.path.join(proc.root, "191"))                    # gone before add() reads it
+    holder = {"pid": 192, "ppid": 191, "name": "python3", "cgroup": "/lxc/101/ns", "_argv": ["python3", "serve.py"]}
+    blind = RespawnWatch(proc.root, procscan.DeviceNames(), [0], KILL, known_pids=[190, 191, 192])
+    blind.add(holder)
+    assert blind.parents == {}                                       # read live only: nothing to watch
+    watch = RespawnWatch(proc.root, procscan.DeviceNames(), [0], KILL, known_pids=[190, 191, 192], stats=snapshot)
+    watch.add(holder)
+    assert sorted(watch.parents) == [190], watch.parents
+    proc.add(193, comm="sh", ppid=190, cgroup=NS + "\n", starttime=KILL + 5, argv=["sh", "-c", "python3 serve.py"])
+    held(proc, 194, 193, NS + "\n", 0, starttime=KILL + 9, comm="python3", argv=["python3", "serve.py"])
+    assert watch.poll(lambda: [194])["parent_pid"] == 190

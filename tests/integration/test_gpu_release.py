@@ -445,7 +445,9 @@ def test_a_respawn_behind_a_wrapper_that_exits_with_its_child_fails_the_release(
         assert _stat(holder)[0] == "python3" and _stat(wrapper)[0] == "sh" and host_alive(wrapper)
         holder_ct, loop_ct = _container_pid(holder), _container_pid(outer)
         play = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[0]))
-        assert play.failed and play["respawned"] is not None and "respawned" in play["msg"], play
+        assert play.failed and play["respawned"] is not None and "respawned" in play["msg"], (
+            "msg %r, respawned %r, actions %r, rung_reached %r, elapsed_s %r" % tuple(
+                play.get(k) for k in ("msg", "respawned", "actions", "rung_reached", "elapsed_s")))
         respawned = play["respawned"]
         assert (respawned["parent_pid"], respawned["parent_name"]) == (loop_ct, "sh"), respawned
         assert signalled_pids(play) == {holder_ct}, play["actions"]

@@ -60,8 +60,10 @@ GENERIC_UNITS = ("cron.service", "crond.service", "anacron.service", "atd.servic
                  "console-getty.service", "container-getty.service")
 GENERIC_PREFIXES = ("getty@", "serial-getty@", "container-getty@", "console-getty@", "user@", "user-runtime-dir@",
                     "session-", "pve-container@", "lxc@", "ssh@", "sshd@", "run-")
-MANAGERS = ("supervisord", "dockerd", "containerd", "systemd", "init", "runsvdir", "s6-svscan", "sshd", "cron", "crond",
-            "atd", "tmux: server", "tmux", "screen", "SCREEN", "containerd-shim", "lxc-start", "conmon")
+MANAGERS = ("supervisord", "dockerd", "containerd", "systemd", "init", "runsvdir", "s6-svscan", "sshd", "sshd-session",
+            "cron", "crond", "atd", "tmux: server", "tmux", "screen", "SCREEN", "containerd-shim", "lxc-start", "conmon",
+            "jupyterhub", "xinetd", "inetd", "login", "dropbear", "xrdp-sesman", "gdm", "lightdm", "sddm", "slurmd",
+            "slurmstepd", "gitlab-runner")
 
 
 def generic_unit(name):
@@ -111,8 +113,8 @@ def _structure_refusal(stop_set, planned, skipped):
         if generic:
             return generic
     if main.get("pid") is None:
-        return "it has no one main process (processes %s were started by its manager)" % ", ".join(
-            str(p) for p in main.get("tops") or ()) or "none"
+        return "it has no one main process (processes %s were started by its manager)" % (
+            ", ".join(str(p) for p in main.get("tops") or ()) or "none")
     if main["name"] in MANAGERS or main.get("session_shell"):
         return ("its main process, pid %d (%s), manages several programs (%s): the set inside it for the holder "
                 "could not be told" % (main["pid"], main["name"], "a login session's shell" if main.get("session_shell")
@@ -120,10 +122,29 @@ def _structure_refusal(stop_set, planned, skipped):
     held = [p for p in stop_set["pids"] if p == main["pid"] or main["pid"] in stop_set["chains"].get(p, ())]
     if held != list(stop_set["pids"]):
         return "its main process, pid %d (%s), is neither the holder nor one of its ancestors" % (main["pid"], main["name"])
+    return _unsignalled(stop_set, planned, skipped) or _other_user(stop_set)
+
+
+def _unsignalled(stop_set, planned, skipped):
+    """Why a set takes a holder of a targeted GPU that is left alone (protect, match, ...), or None."""
     for member in stop_set["members"]:
         if member["pid"] in skipped and member["pid"] not in planned:
             return "pid %d (%s) in it holds a targeted GPU and is not signalled: %s" % (
                 member["pid"], member["name"], skipped[member["pid"]])
+    return None
+
+
+def _other_user(stop_set):
+    """Why a set runs another user's work (a spawner's servers, one per user), or None: every member that is not an
+    ancestor of a planned holder runs as that holder's uid."""
+    uids = dict((m["pid"], m.get("uid")) for m in stop_set["members"])
+    holders = set(uids.get(p) for p in stop_set["pids"])
+    above = set(a for p in stop_set["pids"] for a in stop_set["chains"].get(p, ()))
+    for member in stop_set["members"]:
+        if member["pid"] not in above and (member.get("uid") is None or member.get("uid") not in holders):
+            return "pid %d (%s) in it runs as uid %s, not as the holder's (%s): another user's work" % (
+                member["pid"], member["name"], member.get("uid"), ", ".join(str(u) for u in sorted(
+                    holders, key=str)))
     return None
 
 
@@ -141,10 +162,12 @@ def stop_set_verdict(stop_set, report, targets, all_gpu_indexes, planned, skippe
     if stop_set.get("problem"):
         return {"verdict": "no set", "reason": stop_set["problem"], "collateral": []}
     planned = set(planned)
-    if stop_set["kind"] != "container":
+    if stop_set["kind"] == "container":
+        refusal = _unsignalled(stop_set, planned, skipped)
+    else:
         refusal = _structure_refusal(stop_set, planned, skipped)
-        if refusal:
-            return {"verdict": "refused", "reason": refusal, "collateral": []}
+    if refusal:
+        return {"verdict": "refused", "reason": refusal, "collateral": []}
     found = set_collateral(stop_set["members"], report, targets, all_gpu_indexes, planned, tolerance_mib)
     if found and collateral != "stop":
         return {"verdict": "refused", "collateral": found, "reason": "stopping it would take GPU work that is not "
@@ -179,6 +202,7 @@ class Decision(object):
         self.refusals = []      # messages; any of them fails the task before a signal
         self.refused_pids = []  # per refusal, the pids it is about (a node-side release leaves their containers out)
         self.jobs = {}          # job id -> {"id", "pids", "gpus"} of the jobs touched
+        self.protected = {}     # pid -> why, of the holders of a targeted GPU left alone by protect, match or pid 1
 
     def refuse(self, msg, pids):
         self.refusals.append(msg)
@@ -198,9 +222,12 @@ def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_p
     chosen = {}
 
     def consider(record, why):
-        reason = _protected_reason(record, match, protect, protect_pids) or (scope.reason(record) if scope else None)
+        protected = _protected_reason(record, match, protect, protect_pids)
+        reason = protected or (scope.reason(record) if scope else None)
         if reason:
             decision.skipped.append(_skip(record, reason))
+            if protected:
+                decision.protected[record["pid"]] = protected
             return False
         record["_why"] = why
         chosen[record["pid"]] = record

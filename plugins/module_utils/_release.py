@@ -380,6 +380,7 @@ class Releaser(object):
         self.signalled = {}      # pid -> record
         self.skipped = []
         self.to_signal = []
+        self.protected = {}      # pid -> why, the targeted GPUs' holders left alone by protect or match (decide)
         self.plan = []
         self.refusals = []
         self.refused_in = []     # per refusal, the set of containers (vmids) it is about; empty: not only containers
@@ -580,6 +581,7 @@ class Releaser(object):
         """Decide whom to signal; returns the plan (check mode's answer). self.refusals stops the task."""
         decision = self._decide(report)
         self.to_signal, self.skipped, self.refusals = decision.to_signal, decision.skipped, decision.refusals
+        self.protected = decision.protected
         where = dict((r["pid"], r.get("container")) for r in list(report.holders) + list(report.clients))
         self.refused_in = [self._containers_of(pids, where) for pids in decision.refused_pids]
         self.jobs = decision.jobs
@@ -721,12 +723,25 @@ class Releaser(object):
         is the consent for those that hold no GPU; GPU work that is not targeted is collateral (C1: no tolerance for a
         process whose only GPUs are not targeted)."""
         members = [{"pid": p["pid"], "name": p["name"], "why": "a process of container %s" % vmid} for p in processes]
-        planned = [r["pid"] for r in self.to_signal] + list(self.signalled)
         return stop_set_verdict({"kind": "container", "members": members}, report, self.targets,
-                                [g["index"] for g in self.engine.gpus], planned, {}, self.collateral, self.tolerance_mib)
+                                [g["index"] for g in self.engine.gpus], self._still_planned(report), self.protected,
+                                self.collateral, self.tolerance_mib)
+
+    def _still_planned(self, report):
+        """The planned or signalled holders that report still shows as the same processes (pid and start time): a
+        pid reused since the plan is a new process, never given a planned holder's tolerance (R9)."""
+        out = []
+        for record in list(self.to_signal) + list(self.signalled.values()):
+            now = report.holder(record["pid"]) if hasattr(report, "holder") else None
+            if now is None or now.get("starttime_ticks") == record.get("starttime_ticks"):
+                out.append(record["pid"])
+        return out
 
     @staticmethod
     def _restart_words(vmid, verdict, count):
+        if not verdict["collateral"]:
+            return ("container_restart would restart container %s (a restart stops everything in it: %d processes), "
+                    "but %s; nothing was signalled" % (vmid, count, verdict["reason"]))
         return ("container_restart would restart container %s, whose processes also hold GPU work that is not targeted "
                 "(a restart stops everything in it: %d processes): %s; nothing was signalled. To go on, set "
                 "collateral: stop, or target those GPUs too" % (vmid, count, "; ".join(

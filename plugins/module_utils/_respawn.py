@@ -1,18 +1,20 @@
 # Copyright (c) 2026 gpuops
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Respawn by parentage: the same program started again under the ancestors of killed holders (private helper).
+"""Respawn by parentage: what started a killed holder starting a GPU holder again (private helper).
 
 Whatever started a holder may start it again: a supervisor, a shell loop, a launcher such as torchrun, behind a
 wrapper that exits with its child. The watch follows each killed holder's ancestors up to its innermost manager
-(W1). A process that starts under one of them after the kill is a respawn when it is the same program as a killed
-holder (argv apart from numbers, unit, or supervisord program) and holds a targeted GPU by the pinning rule (a
-context mapped there, named by NVML), or, at the window's end, the same program still starting (C3). The watch
-reads the new processes and their maps, never a whole snapshot. No AnsibleModule here.
+(W1), never above its container. A process that starts under one of them after the kill is a respawn when it holds
+a targeted GPU by the pinning rule (a context mapped there, named by NVML; a GPU it only sees is not one, C3), or, at
+the window's end, when it is the same program as a killed holder (argv apart from numbers, its unit's main process,
+or its supervisord program) still starting. The watch reads the new processes and their maps, never a whole
+snapshot. No AnsibleModule here.
 """
 
 from __future__ import annotations
 
 import os
+import re
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _jobs as jobs
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
@@ -22,9 +24,10 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as s
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import generic_unit
 
 CHAIN_MAX = 16
+_USER_MANAGER_RE = re.compile(r"/user@\d+\.service/init\.scope$")
 # ancestors that start many programs for many people: the watch stops below them (a new login is no respawn)
-NOT_WATCHED = ("sshd", "cron", "crond", "atd", "systemd", "init", "dockerd", "containerd", "lxc-start", "tmux: server",
-               "screen", "SCREEN", "login", "agetty")
+NOT_WATCHED = ("sshd", "sshd-session", "cron", "crond", "atd", "systemd", "init", "dockerd", "containerd", "lxc-start",
+               "lxc-attach", "tmux: server", "screen", "SCREEN", "login", "agetty")
 # managers that restart their programs: watched, and the watch stops at them
 RESTARTERS = ("supervisord", "runsv", "runsvdir", "s6-supervise", "s6-svscan", "containerd-shim", "conmon")
 
@@ -38,14 +41,18 @@ def service_unit(cgroup):
 
 
 def _is_init(pid, proc_root):
-    """pid 1 of its PID namespace (a node's or a container's init): it adopts orphans."""
+    """pid 1 of its PID namespace (a node's or a container's init), or a user's service manager (systemd --user, in
+    user@UID.service/init.scope): what starts units again (Restart=)."""
     if pid == 1:
         return True
     try:
         status = procscan.parse_status(procscan.read_text("%s/%d/status" % (proc_root, pid)))
     except OSError:
         return False
-    return (status.get("nspid") or [0])[-1] == 1
+    if (status.get("nspid") or [0])[-1] == 1:
+        return True
+    cgroup = procscan.read_cgroup(pid, proc_root) or ""
+    return status.get("name") == "systemd" and bool(_USER_MANAGER_RE.search(cgroup))
 
 
 def _chain(pid, proc_root):
@@ -112,6 +119,7 @@ class RespawnWatch(object):
         self.parents.pop(record["pid"], None)
         self.identities |= identity(record["pid"], self.proc_root, record.get("_argv") or None, record.get("cgroup"),
                                     record.get("ppid"))
+        where = node.where_of_cgroup(record.get("cgroup"))
         current = record.get("ppid")
         for dummy in range(CHAIN_MAX):
             if not current or current in self.parents:
@@ -119,6 +127,8 @@ class RespawnWatch(object):
             stat = procscan.read_stat(current, self.proc_root)
             if stat is None or stat["comm"] in NOT_WATCHED and not _is_init(current, self.proc_root):
                 return
+            if where is not None and node.where_of_cgroup(procscan.read_cgroup(current, self.proc_root)) != where:
+                return   # never above the holder's container (a pct exec's lxc-attach, the node's shell)
             if current not in self.killed and not self._watch(current, stat, record):
                 return
             if stat["comm"].startswith(RESTARTERS) or (stat["session"] == current and stopsets.tty_of(current, self.proc_root)):
@@ -198,9 +208,10 @@ class RespawnWatch(object):
     def poll(self, nvml_named=None):
         """The first respawn seen now, as the `respawned` dict, or None.
 
-        A respawn is the same program as a killed holder (identity) started under a watched ancestor after the kill,
-        holding a targeted GPU by the pinning rule: a context mapped on it, and NVML naming it on a targeted GPU when
-        nvml_named (called once per poll, only when needed) is given.
+        A respawn is a process started under a watched ancestor after the kill that holds a targeted GPU by the pinning
+        rule: a context mapped on it (a GPU it only sees is not one), and NVML naming it on a targeted GPU when
+        nvml_named (called once per poll, only when needed) is given. Its program may differ from the killed one's
+        (a loop may pass a fresh token each round): what started the holder holds the GPU again.
         """
         if self.found is not None or not self.parents:
             return self.found
@@ -214,12 +225,13 @@ class RespawnWatch(object):
                 continue
             if parent["unit"] and self._cgroup(pid) != parent["cgroup"]:
                 continue  # an init's new child of another unit
-            if self._context_on_target(pid) and self._same_program(pid):
+            if self._context_on_target(pid):
                 if named is None:
                     named = set(nvml_named()) if nvml_named is not None else None
                 if (named is None or pid in named) and procscan.same_process(pid, stat["starttime"], self.proc_root):
-                    return self._found(pid, stat, parent, "the same program as a killed holder, holding a targeted "
-                                       "GPU (a context mapped%s)" % ("" if named is None else ", named by NVML"))
+                    return self._found(pid, stat, parent, "%s, holding a targeted GPU (a context mapped%s)" % (
+                        "the same program as a killed holder" if self._same_program(pid) else "started under it after "
+                        "the kill", "" if named is None else ", named by NVML"))
             pending[pid] = (stat, parent)
         self.pending = pending
         return None

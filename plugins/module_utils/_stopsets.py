@@ -21,9 +21,12 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 
 # names passed to the container's manager (argv, no shell): a unit may carry systemd's \x escapes
-_UNIT_RE = re.compile(r"^[A-Za-z0-9:_.@\\-]+\.(?:service|scope)$")
+_UNIT_RE = re.compile(r"^[A-Za-z0-9:_.@\\][A-Za-z0-9:_.@\\-]*\.(?:service|scope)$")   # never an option (-x)
 _PROGRAM_RE = re.compile(r"^[A-Za-z0-9:_.@-]+$")
-_DOCKER_CGROUP_RE = re.compile(r"(?:/docker-([0-9a-f]{64})\.scope|/docker/([0-9a-f]{64}))(?:/|$)")
+# docker's cgroup inside the container, only where docker's own manager puts it (never in a user's delegated subtree)
+_DOCKER_CGROUP_RE = re.compile(r"^(?:/system\.slice/docker-([0-9a-f]{64})\.scope|/docker/([0-9a-f]{64}))(?:/|$)")
+_SHIM_CGROUPS = ("/system.slice/containerd.service", "/system.slice/docker.service")
+_CONFIG_RE = re.compile(r"^/[A-Za-z0-9._/-]+$")   # a supervisord -c passed to supervisorctl: a plain absolute path
 _DOCKER_ID_RE = re.compile(r"^[0-9a-f]{64}$")
 _USER_MANAGER_RE = re.compile(r"^user@(\d+)\.service$")
 SHIM_PREFIX = "containerd-shim"   # comm of containerd-shim-runc-v2 (15 characters kept)
@@ -97,7 +100,7 @@ class Processes(object):
 
     def __init__(self, vmid, proc_root="/proc", table=None):
         self.vmid, self.proc_root = str(vmid), proc_root
-        self.stats, self.inner = {}, {}
+        self.stats, self.inner, self._status = {}, {}, {}
         stats = getattr(table, "stats", None) or {}
         cgroups = getattr(table, "cgroups", None) or {}
         pids = sorted(cgroups) if cgroups else [int(n) for n in os.listdir(proc_root) if n.isdigit()]
@@ -115,6 +118,25 @@ class Processes(object):
     def name(self, pid):
         stat = self.stats.get(pid)
         return stat["comm"] if stat else None
+
+    def status(self, pid):
+        """parse_status of pid ({} when it cannot be read), read once."""
+        if pid not in self._status:
+            try:
+                self._status[pid] = procscan.parse_status(procscan.read_text("%s/%d/status" % (self.proc_root, pid)))
+            except OSError:
+                self._status[pid] = {}
+        return self._status[pid]
+
+    def uid(self, pid):
+        return self.status(pid).get("uid")
+
+    def init_uid(self):
+        """The uid (as the node sees it) of the container's init: pid 1 of the container's PID namespace, whose
+        parent is outside it; None when it cannot be told."""
+        tops = [p for p, stat in self.stats.items() if stat["ppid"] not in self.stats]
+        inits = [p for p in tops if (self.status(p).get("nspid") or [0])[-1] == 1]
+        return self.uid(inits[0]) if len(inits) == 1 else None
 
     def tree(self, top):
         """top and every process below it in this container."""
@@ -164,28 +186,60 @@ def _entry(vmid, kind, name, argv, main, members, chain, evidence, manager_uid=N
 
 def no_set(vmid, problem, chain=()):
     """A holder's answer when it has no stop set: problem says why (a nested container, a chain that cannot be
-    read)."""
+    read, a manager that cannot be trusted)."""
     return {"vmid": int(vmid), "kind": None, "name": None, "argv": None, "main": None, "members": [],
             "chain": list(chain), "evidence": problem, "manager_uid": None, "problem": problem}
 
 
 def _members(procs, pids, why):
-    return [{"pid": p, "name": procs.name(p), "why": why(p)} for p in sorted(pids)]
+    return [{"pid": p, "name": procs.name(p), "uid": procs.uid(p), "why": why(p)} for p in sorted(pids)]
 
 
-def _docker_by_shim(procs, chain, vmid, proc_root):
-    for below, shim in zip(chain, chain[1:]):
-        if not (procs.name(shim) or "").startswith(SHIM_PREFIX):
+def _shims(procs, container_id):
+    """The containerd shims of docker container container_id that docker itself runs: the container's root's, in
+    containerd's or docker's unit (a user's renamed script names any id it likes)."""
+    root = procs.init_uid()
+    out = []
+    for pid, stat in procs.stats.items():
+        inner = procs.inner.get(pid) or ""
+        if not stat["comm"].startswith(SHIM_PREFIX) or root is None or procs.uid(pid) != root:
             continue
-        container_id = docker_shim_id(shim, proc_root)
-        if container_id is None:
-            return None
-        members = _members(procs, procs.tree(below), lambda p: "under docker container %s's containerd-shim (pid %d)"
-                           % (container_id[:12], shim))
-        return _entry(vmid, "docker", container_id[:12], ["docker", "stop", container_id], _main(procs, below, proc_root),
-                      members, chain, "pid %d runs under containerd-shim (pid %d on the node) as docker container %s"
-                      % (below, shim, container_id[:12]))
-    return None
+        if inner.startswith(_SHIM_CGROUPS) and docker_shim_id(pid, procs.proc_root) == container_id:
+            out.append(pid)
+    return out
+
+
+def _docker_members(procs, container_id):
+    """Every process docker stop would end: of the docker container's cgroup, and under each of its shims."""
+    prefixes = ("/system.slice/docker-%s.scope" % container_id, "/docker/%s" % container_id)
+    pids = set(p for prefix in prefixes for p in _in_cgroup(procs, prefix))
+    for shim in _shims(procs, container_id):
+        pids.update(p for p in procs.tree(shim) if p != shim)
+    return _members(procs, pids, lambda p: "of docker container %s (its cgroup, or under its containerd-shim)"
+                    % container_id[:12])
+
+
+def _docker(procs, chain, vmid, proc_root):
+    """The docker container above the holder: a shim docker runs in its chain, or docker's cgroup; or None."""
+    for below, shim in zip(chain, chain[1:]):
+        if (procs.name(shim) or "").startswith(SHIM_PREFIX):
+            container_id = docker_shim_id(shim, proc_root)
+            if container_id and shim in _shims(procs, container_id):
+                return _docker_entry(procs, chain, vmid, container_id, _main(procs, below, proc_root),
+                                     "pid %d runs under containerd-shim (pid %d on the node) as docker container %s"
+                                     % (below, shim, container_id[:12]))
+    found = _DOCKER_CGROUP_RE.match(procs.inner.get(chain[0]) or "")
+    if found is None:
+        return None
+    container_id = found.group(1) or found.group(2)
+    members = _docker_members(procs, container_id)
+    return _docker_entry(procs, chain, vmid, container_id, _by_cgroup(procs, [m["pid"] for m in members], proc_root),
+                         "its cgroup in the container is %s" % procs.inner[chain[0]], members)
+
+
+def _docker_entry(procs, chain, vmid, container_id, main, evidence, members=None):
+    members = members if members is not None else _docker_members(procs, container_id)
+    return _entry(vmid, "docker", container_id[:12], ["docker", "stop", container_id], main, members, chain, evidence)
 
 
 def _in_cgroup(procs, path):
@@ -205,33 +259,40 @@ def _by_cgroup(procs, pids, proc_root):
     return {"pid": None, "name": None, "session_shell": False, "tops": tops}
 
 
-def _docker_by_cgroup(procs, holder, chain, vmid, proc_root):
-    found = _DOCKER_CGROUP_RE.search(procs.inner.get(holder) or "")
-    if found is None:
-        return None
-    container_id = found.group(1) or found.group(2)
-    path = procs.inner[holder][:found.end()].rstrip("/")
-    pids = _in_cgroup(procs, path)
-    members = _members(procs, pids, lambda p: "in docker container %s's cgroup %s" % (container_id[:12], path))
-    return _entry(vmid, "docker", container_id[:12], ["docker", "stop", container_id],
-                  _by_cgroup(procs, pids, proc_root), members, chain,
-                  "its cgroup in the container is %s" % procs.inner[holder])
-
-
 def _supervisord(procs, chain, vmid, proc_root):
+    """The supervisord program above the holder: a set, a no_set() when its supervisord cannot be trusted, or None."""
     for below, parent in zip(chain, chain[1:]):
         if procs.name(parent) != "supervisord":
             continue
         program = supervisord_program(below, proc_root)
         if program is None:
             return None
+        problem = _supervisord_problem(procs, parent)
+        if problem:
+            return no_set(vmid, problem, chain)
         conf = supervisord_config(parent, proc_root)
-        members = _members(procs, procs.tree(below), lambda p, b=below: (
-            "the program's process (started by supervisord pid %d)" % parent if p == b else
-            "a descendant of the program's process pid %d" % b))
+        programs = [c for c in procs.children.get(parent, ()) if supervisord_program(c, proc_root) == program]
+        members = _members(procs, set(p for c in programs + [below] for p in procs.tree(c)), lambda p: (
+            "a process of program %s (started by supervisord pid %d, or below one)" % (program, parent)))
         argv = ["supervisorctl"] + (["-c", conf] if conf else []) + ["stop", program]
         return _entry(vmid, "supervisord", program, argv, _main(procs, below, proc_root), members, chain,
                       "pid %d runs under supervisord (pid %d on the node) as program %s" % (below, parent, program))
+    return None
+
+
+def _supervisord_problem(procs, pid):
+    """Why a supervisord's program may not be stopped by name (supervisorctl reaches the program of that name of the
+    supervisord its config names), or None: it must be the container's only one, its root's, with a plain -c."""
+    others = [p for p in procs.stats if procs.name(p) == "supervisord" and p != pid]
+    if others:
+        return "container %s runs more than one supervisord (pids %s): a program's name cannot tell which" % (
+            procs.vmid, ", ".join(str(p) for p in sorted(others + [pid])))
+    root = procs.init_uid()
+    if root is None or procs.uid(pid) != root:
+        return "supervisord pid %d is not the container's root's (uid %s)" % (pid, procs.uid(pid))
+    conf = supervisord_config(pid, procs.proc_root)
+    if conf is not None and not _CONFIG_RE.match(conf):
+        return "supervisord pid %d's -c is not a plain absolute path" % pid
     return None
 
 
@@ -262,7 +323,7 @@ def find(record, proc_root="/proc", table=None, procs=None):
     if not chain:
         return no_set(vmid, "pid %d could not be read in container %s" % (record["pid"], vmid))
     depth, init_depth = _nspid_depth(chain[0], proc_root), _nspid_depth(chain[-1], proc_root)
-    found = _docker_by_shim(procs, chain, vmid, proc_root) or _docker_by_cgroup(procs, chain[0], chain, vmid, proc_root)
+    found = _docker(procs, chain, vmid, proc_root)
     if found is not None:
         return found
     if depth is None or init_depth is None:
@@ -292,12 +353,6 @@ def found_for(records, proc_root="/proc", table=None):
         out.setdefault(key, dict(entry, pids=[], chains={}))["pids"].append(record["pid"])
         out[key]["chains"][record["pid"]] = entry["chain"]
     return [out[k] for k in sorted(out)]
-
-
-def container_members(vmid, proc_root="/proc", table=None):
-    """Every process of container vmid, as a container restart's members ([{pid, name, why}])."""
-    procs = Processes(vmid, proc_root, table)
-    return _members(procs, procs.stats, lambda p: "a process of container %s" % vmid)
 
 
 # the driver's daemons' own systemd units, whose processes may run as a user of their own

@@ -10,6 +10,7 @@ no Perl start-up per call, as pct exec would cost. No AnsibleModule here.
 
 from __future__ import annotations
 
+import shlex
 import subprocess
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
@@ -63,7 +64,7 @@ def plan_sets(report, planned, skipped, targets, all_gpu_indexes, collateral, to
 def how_to_stop(entry):
     """What to run by hand inside the container to stop entry's set (a sentence)."""
     if entry["argv"]:
-        return "`pct exec %d -- %s`" % (entry["vmid"], " ".join(entry["argv"]))
+        return "`pct exec %d -- %s`" % (entry["vmid"], " ".join(shlex.quote(a) for a in entry["argv"]))
     return "stop what runs pid %s by hand" % ", ".join(str(p) for p in entry["pids"])
 
 

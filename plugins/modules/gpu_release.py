@@ -292,11 +292,16 @@ options:
             unit is the first component below the slices of the holder's cgroup (C(lxc/VMID/ns/system.slice/NAME.service));
             a user's unit (C(user@UID.service/.../NAME.service)) is stopped through that user's manager
             (C(systemctl --user -M UID@ stop NAME)). A holder in a container nested inside the container has no set.
+          - A docker container is read only from docker's own cgroup (C(system.slice/docker-ID.scope), C(docker/ID)) or
+            a shim of the container's root in containerd's or docker's unit; its members are every process C(docker stop)
+            ends. A supervisord program only of the container's one supervisord, the container root's, with a plain
+            absolute C(-c); its members are every process started under that program's name.
           - A set is stopped only when it is one program's, the planned holder's, and takes no GPU work that is not
             targeted. Refused are a generic launcher or session unit (C(cron), C(ssh), C(getty@), C(user@), session scopes,
             C(rc-local), C(init.scope), C(docker.service), C(containerd.service) and the like); a set whose main process
             manages several programs (C(supervisord), C(dockerd), C(containerd), a login shell) or is neither the holder
-            nor its ancestor; a set with a member that holds a targeted GPU and is not signalled; and, unless
+            nor its ancestor; a set with a member that holds a targeted GPU and is not signalled, or that runs as
+            another uid than the holder's and is not its ancestor (another user's work); and, unless
             O(collateral=stop), a set with a member that may hold an untargeted GPU (no tolerance for a process whose
             only GPUs are untargeted). Members that hold no GPU go with their program.
           - RV(found_units) lists each set stopped with the pids it runs and the outcome of its stop; in check mode, what
@@ -839,11 +844,12 @@ stop_sets:
             "how_to_stop": "`pct exec 101 -- supervisorctl stop trainer:trainer`", "outcome": "done: trainer:trainer: stopped"}]
 respawned:
   description:
-    - The respawn that failed the task, null otherwise. A respawn is the same program as a killed holder (its
-      argv apart from numbers, its unit's main process, or its supervisord program) started again under one of the
-      killed holder's ancestors, watched up to its innermost manager (a wrapper that exits with its child does not
-      end the watch), that holds a targeted GPU by the pinning rule (a context mapped there, named by NVML), or that
-      is still starting when the window ends.
+    - The respawn that failed the task, null otherwise. The killed holders' ancestors are watched up to each one's
+      innermost manager (a wrapper that exits with its child does not end the watch; a user's service manager counts
+      as an init; never above the container). A process started under one of them after the kill is a respawn when
+      it holds a targeted GPU by the pinning rule (a context mapped there, named by NVML; a GPU it only sees is not
+      one), or when it is the same program as a killed holder (its argv apart from numbers, its unit's main process,
+      or its supervisord program) still starting when the window ends.
     - C(pid) and C(name) are the new holder's (never signalled); C(parent_pid) and C(parent_name) the watched
       ancestor that started it; C(chain) that ancestor and its ancestors up to pid 1 (C(pid), C(name)); C(unit) the
       systemd service when the ancestor is an init; C(evidence) why it is a respawn; C(how_to_stop) what to stop

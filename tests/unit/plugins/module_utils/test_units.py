@@ -21,7 +21,7 @@ def environ(proc, pid, **env):
 def test_a_systemd_unit_is_named_by_the_holders_cgroup_inside_its_container(proc):
     proc.add(500, cgroup="0::/lxc/101/ns/system.slice/vllm-server.service\n")
     found = stopsets.find(holder(500, "0::/lxc/101/ns/system.slice/vllm-server.service\n"), proc.root)
-    assert found["members"] == [{"pid": 500, "name": "python3",
+    assert found["members"] == [{"pid": 500, "name": "python3", "uid": 0,
                                  "why": "in the unit's cgroup /system.slice/vllm-server.service"}]
     assert dict((k, found[k]) for k in ("vmid", "kind", "name", "argv", "evidence")) == {
         "vmid": 101, "kind": "systemd", "name": "vllm-server.service", "argv": ["systemctl", "stop", "vllm-server.service"],
@@ -139,16 +139,19 @@ def test_docker_inside_lxc_is_named_by_the_holders_cgroup_with_either_driver(pro
 
 def test_docker_inside_lxc_is_found_from_its_shim_before_a_supervisord_inside_it(proc):
     proc.add(1, comm="init", ppid=0)
-    proc.add(30, comm="containerd-shim", ppid=1,
+    shim = "0::/lxc/101/ns/system.slice/containerd.service\n"      # docker's shims run in containerd's unit, as root
+    proc.add(30, comm="containerd-shim", ppid=1, cgroup=shim,
              argv=["/usr/bin/containerd-shim-runc-v2", "-namespace", "moby", "-id", DOCKER_ID, "-address", "/run/x"])
-    proc.add(31, comm="supervisord", ppid=30, argv=["/usr/bin/python3", "/usr/bin/supervisord", "-c", "/etc/s.conf"])
-    proc.add(32, comm="python3", ppid=31)
+    proc.add(31, comm="supervisord", ppid=30, argv=["/usr/bin/python3", "/usr/bin/supervisord", "-c", "/etc/s.conf"],
+             nspid=[31, 1])
+    proc.add(32, comm="python3", ppid=31, nspid=[32, 2])
     environ(proc, 32, SUPERVISOR_PROCESS_NAME="server", SUPERVISOR_GROUP_NAME="server")
     found = stopsets.find(holder(32, "0::/lxc/101/ns/init.scope\n"), proc.root)
     assert (found["kind"], found["argv"]) == ("docker", ["docker", "stop", DOCKER_ID])
     assert "pid 31 runs under containerd-shim (pid 30 on the node) as docker container %s" % DOCKER_ID[:12] \
         in found["evidence"]
-    proc.add(40, comm="containerd-shim", ppid=1,                     # a containerd (not docker) namespace: not docker's
+    proc.add(40, comm="containerd-shim", ppid=1, cgroup=shim,       # a containerd (not docker) namespace: not docker's
              argv=["/usr/bin/containerd-shim-runc-v2", "-namespace", "k8s.io", "-id", DOCKER_ID])
-    proc.add(41, comm="python3", ppid=40)
-    assert stopsets.find(holder(41, "0::/lxc/101/ns/init.scope\n"), proc.root) is None
+    proc.add(41, comm="python3", ppid=40, nspid=[41, 1])
+    other = stopsets.find(holder(41, "0::/lxc/101/ns/init.scope\n"), proc.root)
+    assert other["kind"] is None and "nested inside container 101" in other["problem"], other

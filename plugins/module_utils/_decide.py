@@ -112,6 +112,11 @@ def _structure_refusal(stop_set, planned, skipped):
         generic = generic_unit(stop_set["name"])
         if generic:
             return generic
+        if stop_set.get("dependents") is None:
+            return "the units its stop would stop too (RequiredBy, BoundBy, ConsistsOf) could not be read"
+        if stop_set["dependents"]:
+            return "its stop would also stop %s (they require it, are bound to it or part of it)" % ", ".join(
+                stop_set["dependents"])
     if main.get("pid") is None:
         return "it has no one main process (processes %s were started by its manager)" % (
             ", ".join(str(p) for p in main.get("tops") or ()) or "none")

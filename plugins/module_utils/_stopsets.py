@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import os
 import re
+import subprocess
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 
@@ -32,6 +34,9 @@ _USER_MANAGER_RE = re.compile(r"^user@(\d+)\.service$")
 SHIM_PREFIX = "containerd-shim"   # comm of containerd-shim-runc-v2 (15 characters kept)
 CHAIN_MAX = 64
 SHELLS = ("sh", "bash", "dash", "zsh", "ksh", "fish", "tcsh", "csh")
+CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+DEPENDENT_PROPERTIES = ("RequiredBy", "BoundBy", "ConsistsOf")   # units a stop of this one stops too
+LIVE_STATES = ("active", "activating", "reloading", "deactivating")
 
 
 def docker_shim_id(pid, proc_root):
@@ -411,3 +416,35 @@ def _supervisord_service(record, proc_root):
     ctl = [supervisorctl] + (["-c", conf] if conf else [])
     return {"kind": "supervisord", "name": full, "stop": ctl + ["stop", full], "start": ctl + ["start", full],
             "evidence": "pid %d runs under supervisord (pid %d) as program %s" % (record["pid"], ppid, full)}
+
+
+def _in_container(vmid, argv, timeout, attach="lxc-attach"):
+    """(rc, output) of argv run inside container vmid by its own tools (lxc-attach, clean environment); None when it
+    could not run."""
+    command = [attach, "-n", str(vmid), "--clear-env", "--set-var", "PATH=" + CONTAINER_PATH, "--"] + list(argv)
+    try:
+        return helperproc.run_bounded(command, timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def unit_dependents(entry, timeout=10.0, attach="lxc-attach"):
+    """The live units a stop of entry's systemd unit would stop too (those that Require it, are BoundTo it or PartOf
+    it), asked of the container's own manager; targets left out. [] when none; None when they cannot be read."""
+    manager = [] if entry.get("manager_uid") is None else ["--user", "-M", "%d@" % entry["manager_uid"]]
+    props = [w for p in DEPENDENT_PROPERTIES for w in ("-p", p)]
+    shown = _in_container(entry["vmid"], ["systemctl"] + manager + ["show"] + props + ["--", entry["name"]], timeout,
+                          attach)
+    if shown is None or shown[0] != 0:
+        return None
+    names = sorted(set(n for line in shown[1].splitlines() if line.partition("=")[0] in DEPENDENT_PROPERTIES
+                       for n in line.partition("=")[2].split() if _UNIT_RE.match(n) and not n.endswith(".target")))
+    if not names:
+        return []
+    states = _in_container(entry["vmid"], ["systemctl"] + manager + ["is-active", "--"] + names, timeout, attach)
+    if states is None:
+        return None
+    lines = states[1].split()
+    if len(lines) != len(names):
+        return None
+    return [n for n, state in zip(names, lines) if state in LIVE_STATES]

@@ -55,6 +55,8 @@ def plan_sets(report, planned, skipped, targets, all_gpu_indexes, collateral, to
     reason, collateral, how_to_stop and outcome (None until its stop ran)."""
     out = []
     for entry in stopsets.found_for(planned, proc_root, getattr(report, "scan", None)):
+        if entry["kind"] in ("systemd", "systemd-user"):
+            entry["dependents"] = stopsets.unit_dependents(entry)
         verdict = stop_set_verdict(entry, report, targets, all_gpu_indexes, [r["pid"] for r in planned], skipped,
                                    collateral, tolerance_mib)
         out.append(dict(entry, how_to_stop=how_to_stop(entry), outcome=None, **verdict))
@@ -69,7 +71,7 @@ def how_to_stop(entry):
 
 
 def shown(entry):
-    """A stop set as the result prints it: no argv, no chains."""
+    """A stop set as the result prints it: no argv, no chains (its dependents, when read, stay)."""
     return dict((k, v) for k, v in entry.items() if k not in ("argv", "chains", "chain"))
 
 

@@ -300,7 +300,9 @@ options:
             targeted. Refused are a generic launcher or session unit (C(cron), C(ssh), C(getty@), C(user@), session scopes,
             C(rc-local), C(init.scope), C(docker.service), C(containerd.service) and the like); a set whose main process
             manages several programs (C(supervisord), C(dockerd), C(containerd), a login shell) or is neither the holder
-            nor its ancestor; a set with a member that holds a targeted GPU and is not signalled, or that runs as
+            nor its ancestor; a unit whose stop would stop another live unit (one that requires it, is bound to it or
+            part of it, asked of the container's own manager with C(systemctl show), or that cannot be asked); a set
+            with a member that holds a targeted GPU and is not signalled, or that runs as
             another uid than the holder's and is not its ancestor (another user's work); and, unless
             O(collateral=stop), a set with a member that may hold an untargeted GPU (no tolerance for a process whose
             only GPUs are untargeted). Members that hold no GPU go with their program.
@@ -829,7 +831,8 @@ stop_sets:
       O(advanced.stop_found_units) stops it, in check mode too.
     - C(vmid), C(kind) (C(systemd), C(systemd-user), C(supervisord), C(docker); null when there is none), C(name),
       C(pids) (the planned holders it runs), C(main) (C(pid), C(name); the process its manager started), C(members)
-      (C(pid), C(name), C(why) each is in it), C(evidence), C(verdict) (V(stop), V(refused) or V(no set)), C(reason),
+      (C(pid), C(name), C(uid), C(why) each is in it), C(dependents) (of a unit, the live units its stop would stop
+      too), C(evidence), C(verdict) (V(stop), V(refused) or V(no set)), C(reason),
       C(collateral) (members that may hold an untargeted GPU, with C(gpus) and C(why)), C(how_to_stop) (what to run
       by hand) and C(outcome) (null until its stop ran; C(not run...) with O(advanced.stop_found_units) off).
   returned: always

@@ -8,6 +8,7 @@ C1 (a container restarted over small work on an untargeted GPU), C2 (a plan gone
 different program taken for a respawn), W1 (a respawn behind a wrapper that exits with its child). Each world
 failed on the main this issue started from (e44b862).
 """
+import json
 import os
 
 import pytest
@@ -41,8 +42,32 @@ def held(proc, pid, ppid, cgroup, on, sees=(), **kw):
                     **kw)
 
 
-def check(proc, monkeypatch, tmp_path, gpus, **opts):
+ATTACH = """#!/usr/bin/env python3
+import json, sys
+argv = sys.argv[sys.argv.index("--") + 1:]
+answers = json.load(open(%r))
+if "show" in argv:
+    print("RequiredBy=%%s\\nBoundBy=\\nConsistsOf=" %% " ".join(answers.get(argv[-1], [])))
+elif "is-active" in argv:
+    print("\\n".join("active" for name in argv[argv.index("--") + 1:]))
+else:
+    sys.exit(1)
+"""
+
+
+def manager(monkeypatch, tmp_path, dependents=None):
+    """lxc-attach as the container's systemd answers `systemctl show -p RequiredBy ...` and `is-active` (dependents:
+    {unit: [units that require it]}); the stops themselves are never run here (check mode)."""
+    folder = tmp_path / "bin"
+    folder.mkdir(exist_ok=True)
+    (tmp_path / "answers.json").write_text(json.dumps(dependents or {}))
+    tool(folder, "lxc-attach", ATTACH % str(tmp_path / "answers.json"))
+    monkeypatch.setenv("PATH", "%s:%s" % (folder, os.environ.get("PATH", "")))
+
+
+def check(proc, monkeypatch, tmp_path, gpus, dependents=None, **opts):
     """The node-side release of GPU 0 for container 101 in check mode: (failed, msg, result)."""
+    manager(monkeypatch, tmp_path, dependents)
     engine = node_engine(proc, gpus, monkeypatch, {"101": conf(range(len(gpus)))})
     options = dict(OPTS, scope=node.Scope([101], proc_root=proc.root), stop_found_units=True, **opts)
     return release(engine, [0], options, check_mode=True, lock_dir=str(tmp_path))
@@ -133,6 +158,20 @@ def test_u1_a_service_whose_api_server_started_the_gpu_workers_is_stopped_whole(
     entry = the_set(result, "vllm.service")
     assert entry["verdict"] == "stop" and entry["main"]["pid"] == 130 and by_name(result) == [("systemd", "vllm.service")]
     assert [m["pid"] for m in entry["members"]] == [130, 131], entry
+    assert entry["dependents"] == []
+
+
+def test_a_unit_whose_stop_would_stop_another_live_unit_is_refused(proc, monkeypatch, tmp_path):
+    """Red team A1: `worker-gpu1.service` has PartOf= or Requires= on model.service; `systemctl stop model.service`
+    stops it too, and its processes are no members. The container's manager is asked: refused, naming it."""
+    container(proc)
+    unit = NS + "/system.slice/model.service\n"
+    held(proc, 130, 100, unit, 0, nspid=[130, 30], argv=["python3", "model.py"])
+    gpus = [{"minor": 0, "used_mib": 9000, "procs": [(130, 9000)]}]
+    failed, msg, result = check(proc, monkeypatch, tmp_path, gpus, dependents={"model.service": ["worker-gpu1.service"]})
+    entry = the_set(result, "model.service")
+    assert entry["verdict"] == "refused" and entry["dependents"] == ["worker-gpu1.service"], entry
+    assert "its stop would also stop worker-gpu1.service" in entry["reason"] and result["found_units"] == []
 
 
 # ---- U2: generic launcher units

@@ -5,6 +5,7 @@ and the host's /proc, not only against what the module says.
 """
 import json
 import os
+import shlex
 import signal
 import subprocess
 import time
@@ -21,10 +22,12 @@ LAB_PYTHON = os.path.join(REPO, ".lab", "venv", "bin", "python")
 
 
 def wait_until(predicate, timeout=10, interval=0.1):
+    """The predicate's first true value within timeout, else its last value."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if predicate():
-            return True
+        value = predicate()
+        if value:
+            return value
         time.sleep(interval)
     return predicate()
 
@@ -384,6 +387,80 @@ def test_respawn_by_a_parent_loop_is_detected(clean, kind):
     finally:
         lab.exec(101, "pkill", "-9", "-f", marker)
         lab.exec(101, "pkill", "-9", "-f", "workload.py plain --minors 3 ")
+
+
+W1_LOOP = "gpuops_w1_loop"   # the loop's $0, in its cmdline
+
+
+def _stat(host_pid):
+    """(comm, ppid) of a host pid, from /proc/PID/stat."""
+    with open("/proc/%d/stat" % host_pid) as f:
+        text = f.read()
+    return text[text.index("(") + 1:text.rindex(")")], int(text.rsplit(")", 1)[1].split()[1])
+
+
+def _cmdline(host_pid):
+    with open("/proc/%d/cmdline" % host_pid, "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
+
+
+def _container_pid(host_pid):
+    with open("/proc/%d/status" % host_pid) as f:
+        return [int(p) for p in f.read().split("NSpid:", 1)[1].splitlines()[0].split()][-1]
+
+
+def _wrapped_holder(lab, minor, loop=None, not_pid=None):
+    """(holder, wrapper, loop) host pids while a holder of minor runs behind `sh -c '...; exit $?'` (its parent,
+    the wrapper, is `sh`) under the loop `sh` (loop: that one), else None."""
+    for holder in lab.truth()[minor]["holders"]:
+        try:
+            wrapper = _stat(holder)[1]
+            wrapper_comm, outer = _stat(wrapper)
+            if (holder != not_pid and wrapper_comm == "sh" and "exit $?" in _cmdline(wrapper)
+                    and _stat(outer)[0] == "sh" and W1_LOOP in _cmdline(outer) and loop in (None, outer)):
+                return holder, wrapper, outer
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
+
+
+@pytest.mark.timing
+def test_a_respawn_behind_a_wrapper_that_exits_with_its_child_fails_the_release(clean):
+    """Issue 42, W1, in the container: the holder runs behind `sh -c 'python3 ...; exit $?'` (the `; exit $?` keeps
+    that sh its parent: dash execs only the last command of -c), and a loop starts the wrapper again each time it
+    exits, as systemd's Restart=always would. The wrapper exits with the killed holder; the loop above it starts a
+    new wrapper and a new holder on the same GPU. The release must fail on that respawn, naming the loop, never say
+    "verified free" (it did: only the direct parent was watched, and it had exited)."""
+    lab = clean
+    inner = "python3 %s plain --minors 0 --mib 384 --foreground >/dev/null 2>&1; exit $?" % WORKLOAD
+    loop = "while true; do sh -c %s gpuops_w1_wrapper; sleep 0.2; done" % shlex.quote(inner)
+    started = lab.exec(101, "sh", "-c", "setsid sh -c %s %s </dev/null >/dev/null 2>&1 &" % (shlex.quote(loop), W1_LOOP))
+    assert started.returncode == 0, started.stdout
+    found = None
+    try:
+        found = wait_until(lambda: lab.used(0) == 384 and _wrapped_holder(lab, 0), timeout=30)
+        assert found, "no holder behind the wrapper: %s" % lab.truth()[0]
+        holder, wrapper, outer = found
+        # before the release: the holder's parent is the wrapper sh, alive, whose parent is the loop
+        assert _stat(holder)[0] == "python3" and _stat(wrapper)[0] == "sh" and host_alive(wrapper)
+        holder_ct, loop_ct = _container_pid(holder), _container_pid(outer)
+        play = lab.direct("ct101", "gpu_release", dict(FAST, gpus=[0]))
+        assert play.failed and play["respawned"] is not None and "respawned" in play["msg"], (
+            "msg %r, respawned %r, actions %r, rung_reached %r, elapsed_s %r" % tuple(
+                play.get(k) for k in ("msg", "respawned", "actions", "rung_reached", "elapsed_s")))
+        respawned = play["respawned"]
+        assert (respawned["parent_pid"], respawned["parent_name"]) == (loop_ct, "sh"), respawned
+        assert signalled_pids(play) == {holder_ct}, play["actions"]
+        assert not host_alive(holder) and not host_alive(wrapper) and host_alive(outer)
+        # the truth: a new holder, behind a new wrapper under the same loop, holds GPU 0 again; never signalled
+        again = wait_until(lambda: lab.used(0) == 384 and _wrapped_holder(lab, 0, loop=outer, not_pid=holder), timeout=20)
+        assert again and respawned["pid"] == _container_pid(again[0]), (respawned, again, lab.truth()[0])
+    finally:
+        if found:
+            os.killpg(found[2], signal.SIGKILL)   # the loop's process group (setsid): the loop, a wrapper, a holder
+        else:
+            for marker in (W1_LOOP, "gpuops_w1_wrapper", "workload.py plain --minors 0 --mib 384 "):
+                lab.exec(101, "pkill", "-9", "-f", marker)
 
 
 def test_two_containers_sharing_a_gpu_release_only_their_own(clean):

@@ -346,6 +346,56 @@ def test_one_node_task_stops_each_containers_program_and_reports_each_container(
     assert [c["changed"] for c in again["per_container"]] == [False, False, False]
 
 
+def _starttime(host_pid):
+    with open("/proc/%d/stat" % host_pid) as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+def _stop_set(result, kind, name):
+    """The one entry of result's stop_sets of that kind and name (the test fails on none or several)."""
+    sets = [s for s in result.get("stop_sets") or [] if s.get("kind") == kind and s.get("name") == name]
+    assert len(sets) == 1, "want one %s stop set %s in stop_sets: %s" % (kind, name, result.get("stop_sets"))
+    return sets[0]
+
+
+def test_one_supervisord_two_programs_on_two_gpus_only_the_targeted_gpus_program_is_stopped(clean):
+    """Issue 42, U1's supervisord half: one supervisord in container 101 runs program A on GPU 0 and program B on
+    GPU 1. Released from the node for GPU 0 with stop_found_units, A's program is the stop set and is stopped
+    (STOPPED, so it does not come back); B keeps its pid and start time. The plan and the result print the stop set:
+    supervisord program A, its members (A's holder, never B), verdict stop, then done."""
+    a = clean.run("respawn", 101, [0], mib=600)
+    b = clean.run("respawn", 101, [1], mib=400)
+    assert a["container_roles"]["supervisord"] == b["container_roles"]["supervisord"]    # one supervisord
+    b_host, b_ct = b["holders"][0], b["container_holders"][0]
+    b_started = _starttime(b_host)
+    args = dict(FAST, gpus=["0"], containers=[101], advanced=dict(FAST["advanced"], stop_found_units=True))
+    plan = clean.direct("pve1", "gpu_release", args, check_mode=True)
+    assert not plan.failed and plan["actions"] == [] and host_alive(a["holders"][0]), plan
+    play = clean.direct("pve1", "gpu_release", args)
+    assert not play.failed and play["changed"] is True, play
+    assert [(u["vmid"], u["kind"], u["pids"]) for u in play["found_units"]] == [
+        (101, "supervisord", [node_pid(a)])], play["found_units"]
+    assert [(x["signal"], x["vmid"]) for x in play["actions"] if x["signal"] == "stop"] == [("stop", 101)]
+    # the truth: A stopped by its supervisor and left STOPPED, B untouched (same pid, same start time), GPU 1 held
+    assert wait_until(lambda: clean.used(0) == 0, timeout=5), clean.truth()[0]    # A's memory, after the free delay
+    assert clean.used(1) == 400 and not host_alive(a["holders"][0])
+    assert host_alive(b_host) and _starttime(b_host) == b_started
+    status_a = clean.exec(101, "supervisorctl", "status", a["supervisor_program"]).stdout
+    status_b = clean.exec(101, "supervisorctl", "status", b["supervisor_program"]).stdout
+    assert "STOPPED" in status_a, status_a
+    assert "RUNNING" in status_b and "pid %d," % b_ct in status_b, status_b
+    # the stop set (stop_sets), printed by the plan, then with its outcome by the release: A's program, not B
+    name = "%s:%s" % (a["supervisor_program"], a["supervisor_program"])
+    for result in (plan, play):
+        entry = _stop_set(result, "supervisord", name)
+        assert (entry["vmid"], entry["verdict"]) == (101, "stop"), entry
+        members = [m["pid"] for m in entry["members"]]
+        assert node_pid(a) in members and node_pid(b) not in members, entry
+        assert all(set(m) >= {"pid", "name", "why"} for m in entry["members"]), entry
+    assert not _stop_set(plan, "supervisord", name)["outcome"]
+    assert (_stop_set(play, "supervisord", name)["outcome"] or "").startswith("done"), play["stop_sets"]
+
+
 def test_without_stop_found_units_a_respawn_fails_naming_the_program_found_from_the_node(clean):
     """Issue 40: stop_found_units is off by default (a unit can host more than its program): the supervisord program
     that respawns 101's holder is not stopped; the task fails on the respawn, naming that program and what to do."""

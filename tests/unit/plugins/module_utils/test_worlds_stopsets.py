@@ -335,7 +335,7 @@ class World(object):
             self.add(self.pid(), shell, "python3", ["python3", "notebook.py"], cg, uid=1000, gpu=True)
 
     def bystanders(self):
-        """A unit of its own that holds no GPU (nginx), and an NVML client in no unit."""
+        """A unit of its own that holds no GPU (nginx: a master and a worker)."""
         key = self.group("systemd", "nginx.service", "own")
         if not self.groups[key]["members"]:
             top = self.add(self.pid(), INIT, "nginx", ["nginx: master process"], "/system.slice/nginx.service",

@@ -516,8 +516,8 @@ def check_restart(world, verdict, members, targets, planned, collateral, exact, 
     if verdict["verdict"] == "stop":
         assert not lost, said(why, "(a) the restart stops untargeted GPU work (pid, GPU, MiB) %s" % lost, verdict)
     if exact:
-        assert verdict["verdict"] == ("refused" if lost else "stop"), said(why, "exact evidence: the restart", lost,
-                                                                      verdict)
+        assert verdict["verdict"] == ("refused" if lost else "stop"), said(
+            why, "exact evidence: the restart", lost, verdict)
 
 
 def expected_set(world, pid):

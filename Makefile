@@ -50,9 +50,10 @@ integration: venv
 test-lab: venv
 	@$(VPY) tests/tools/run_all.py --only lab
 
-# The decision step's invariants over 100,000 generated worlds (make test runs 2,000).
+# The decision step's and the stop sets' invariants over 100,000 generated worlds each (make test runs 2,000).
 test-deep: venv
-	@GPUOPS_WORLDS=100000 $(VPY) -m pytest -q -p no:cacheprovider tests/unit/plugins/module_utils/test_worlds.py
+	@GPUOPS_WORLDS=100000 $(VPY) -m pytest -q -p no:cacheprovider tests/unit/plugins/module_utils/test_worlds.py \
+		tests/unit/plugins/module_utils/test_worlds_stopsets.py
 
 # Every timing-sensitive test (marker `timing`) 20 times in a row: pass rate and slowest run of each.
 test-stress: venv

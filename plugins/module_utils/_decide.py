@@ -79,6 +79,7 @@ def _may_hold_untargeted(record, indexes, targets, planned, tolerance_mib):
     tolerance: its only work may be small. Either way the GPUs NVML cannot describe. [(index or 'minor N', MiB)]."""
     if record["pid"] in planned:
         out = list(pinning.untargeted_shares(record, targets, tolerance_mib)[0])
+        out += [(i, None) for i in record["ambiguous_gpus"] if i not in targets]   # an unknown share of its memory
     else:
         out = [(i, record["shares_mib"].get(i)) for i in indexes if i not in targets and pinning.may_hold(record, i)]
     return out + [("minor %d" % m, None) for m in record.get("unknown_gpus") or ()]
@@ -297,6 +298,14 @@ def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_p
                 "stopping it would free an unknown amount there, and maybe stop its work; nothing was signalled. "
                 "To go on, set collateral: stop" % (record["pid"], record["name"], unknown_words(unknown, unknown_index)),
                 [record["pid"]])
+            continue
+        ambiguous = [i for i in record["ambiguous_gpus"] if i not in targets]
+        if ambiguous and collateral != "stop" and record["pid"] not in in_job_refusal:
+            words = gpu_list_words(ambiguous)
+            decision.refuse(
+                "pid %d (%s) also has a context on %s, where NVML's memory fits more than one holder (ambiguous): "
+                "stopping it may free an unknown amount there, and stop its work; nothing was signalled. To go on, "
+                "set collateral: stop, or target %s too" % (record["pid"], record["name"], words, words), [record["pid"]])
             continue
         over, dummy = pinning.untargeted_shares(record, targets, tolerance_mib)
         if over and collateral != "stop" and record["pid"] not in in_job_refusal:

@@ -230,20 +230,22 @@ def _docker(procs, chain, vmid, proc_root):
         if (procs.name(shim) or "").startswith(SHIM_PREFIX):
             container_id = docker_shim_id(shim, proc_root)
             if container_id and shim in _shims(procs, container_id):
-                return _docker_entry(procs, chain, vmid, container_id, _main(procs, below, proc_root),
-                                     "pid %d runs under containerd-shim (pid %d on the node) as docker container %s"
-                                     % (below, shim, container_id[:12]))
+                return _docker_entry(procs, chain, vmid, container_id, "pid %d runs under containerd-shim (pid %d on "
+                                     "the node) as docker container %s" % (below, shim, container_id[:12]))
     found = _DOCKER_CGROUP_RE.match(procs.inner.get(chain[0]) or "")
     if found is None:
         return None
-    container_id = found.group(1) or found.group(2)
+    return _docker_entry(procs, chain, vmid, found.group(1) or found.group(2),
+                         "its cgroup in the container is %s" % procs.inner[chain[0]])
+
+
+def _docker_entry(procs, chain, vmid, container_id, evidence):
+    """A docker container's set: its main process is its entrypoint, the first started of the processes its shims
+    or its cgroup's parent started (a `docker exec`'d one is a member, never its main)."""
     members = _docker_members(procs, container_id)
-    return _docker_entry(procs, chain, vmid, container_id, _by_cgroup(procs, [m["pid"] for m in members], proc_root),
-                         "its cgroup in the container is %s" % procs.inner[chain[0]], members)
-
-
-def _docker_entry(procs, chain, vmid, container_id, main, evidence, members=None):
-    members = members if members is not None else _docker_members(procs, container_id)
+    tops = sorted(_tops(procs, [m["pid"] for m in members]), key=lambda p: (procs.stats[p]["starttime"], p))
+    none = {"pid": None, "name": None, "session_shell": False, "tops": []}
+    main = _main(procs, tops[0], procs.proc_root) if tops else none
     return _entry(vmid, "docker", container_id[:12], ["docker", "stop", container_id], main, members, chain, evidence)
 
 

@@ -258,6 +258,8 @@ class World(object):
                         groups=[containerd])
         cg = rng.choice(("/system.slice/docker-%s.scope" % cid, "/docker/" + cid))
         inside = rng.choice(("app", "app", "tini", "supervisord"))
+        if inside == "supervisord" and not [n for n in PROGRAMS if n not in self.used]:
+            inside = "app"     # no program name left: supervisord would start nothing (deep run, seed 1953)
         key = self.group("docker", cid[:12], "multi" if inside == "supervisord" else "own")
         if inside == "supervisord":
             self.supervisor(shim, cg, 3, [key])

@@ -33,11 +33,11 @@ RESTARTERS = ("supervisord", "runsv", "runsvdir", "s6-supervise", "s6-svscan", "
 
 
 def service_unit(cgroup):
-    """The systemd unit (NAME.service or NAME.scope) a cgroup path names, inside its container when it is in one (the
-    first component below the slices, stopsets.systemd_unit), or None."""
+    """The systemd service (NAME.service: what Restart= starts again) a cgroup path names, inside its container when
+    it is in one (the first component below the slices, stopsets.systemd_unit), or None (a scope is no service)."""
     inner = node.inner_cgroup(cgroup)
     unit = stopsets.systemd_unit(inner if inner is not None else cgroup)
-    return unit[2] if unit else None
+    return unit[2] if unit and unit[2].endswith(".service") else None
 
 
 def _is_init(pid, proc_root):
@@ -87,7 +87,7 @@ def identity(pid, proc_root, argv=None, cgroup=None, ppid=None):
         stat = procscan.read_stat(pid, proc_root)
         ppid = stat["ppid"] if stat else None
     unit = service_unit(cgroup)
-    if unit and unit.endswith(".service") and not generic_unit(unit) and ppid and _is_init(ppid, proc_root):
+    if unit and not generic_unit(unit) and ppid and _is_init(ppid, proc_root):
         out.add(("unit", cgroup))
     program = stopsets.supervisord_program(pid, proc_root)
     if program:

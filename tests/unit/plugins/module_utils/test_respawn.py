@@ -145,3 +145,11 @@ def test_the_same_program_still_starting_under_the_same_parent_is_a_respawn_at_t
     found = watch.starting_again()
     assert (found["pid"], found["parent_pid"]) == (52, 40) and "still starting" in found["evidence"]
     assert "still starting (no GPU mapped yet)" in respawn_message(found)
+
+
+def test_an_init_is_never_watched_for_a_scope(proc):
+    """A holder whose parent is the container's systemd and whose cgroup is init.scope (or a session's scope) has no
+    service that Restart= would start again: the init is not watched (issue 42: a scope is no service)."""
+    proc.add(1, comm="systemd", ppid=0)
+    for cgroup in ("0::/lxc/101/ns/init.scope\n", "0::/lxc/101/ns/user.slice/user-0.slice/session-4.scope\n"):
+        assert watch_of(proc, killed(50, 1, cgroup)).parents == {}, cgroup

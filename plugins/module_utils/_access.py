@@ -19,11 +19,11 @@ import stat as stat_mod
 import subprocess
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 
 SHARED_NODES = ("nvidiactl", "nvidia-uvm")
 DRM_REFCNT = "/sys/module/nvidia_drm/refcnt"
 DRM_REFCNT_ENV = "GPUOPS_NVIDIA_DRM_REFCNT"  # another file to read instead (the lab's stand-in)
-CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 TEXT_MAX = 4096   # a path or an error text in a container's answer
 
 
@@ -92,8 +92,7 @@ def _probe_source():
 def read_in_container(vmid, minors, timeout=30.0, attach="lxc-attach"):
     """read() run inside container vmid (its own device cgroup and /dev) through lxc-attach, as pct exec does,
     with its python3. Returns (reading, None) or (None, why)."""
-    argv = [attach, "-n", str(vmid), "--clear-env", "--set-var", "PATH=" + CONTAINER_PATH, "--",
-            "python3", "-c", _probe_source(), json.dumps(sorted(set(minors)))]
+    argv = node.attach_argv(vmid, ["python3", "-c", _probe_source(), json.dumps(sorted(set(minors)))], attach)
     try:
         rc, out = helperproc.run_bounded(argv, timeout)
     except subprocess.TimeoutExpired:

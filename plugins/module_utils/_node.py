@@ -32,6 +32,13 @@ OVERFLOW_UID = "/proc/sys/fs/overflowuid"
 _USER_SLICE_RE = re.compile(r"(?:^|/)(?:user\.slice|user@[^/]*\.service)(?:/|$)")
 
 _CONTAINER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(/.*)?$")
+# what runs inside a container from the node (lxc-attach, as pct exec does) finds its tools in these folders only
+CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+
+
+def attach_argv(vmid, argv, attach="lxc-attach"):
+    """argv run inside container vmid by the node, with a clean environment and CONTAINER_PATH (no pct start-up)."""
+    return [attach, "-n", str(vmid), "--clear-env", "--set-var", "PATH=" + CONTAINER_PATH, "--"] + list(argv)
 
 
 def vmid_key(vmid):

@@ -430,6 +430,7 @@ def parse_stat(text):
         "ppid": int(fields[1]),
         "pgrp": int(fields[2]),
         "session": int(fields[3]),
+        "tty_nr": int(fields[4]),     # 0: no controlling terminal
         "flags": int(fields[6]),
         "num_threads": int(fields[17]),
         "starttime": int(fields[19]),

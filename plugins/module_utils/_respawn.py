@@ -132,8 +132,7 @@ class RespawnWatch(object):
                 return   # never above the holder's container (a pct exec's lxc-attach, the node's shell)
             if live and current not in self.killed and not self._watch(current, stat, record):
                 return
-            if stat["comm"].startswith(RESTARTERS) or (live and stat["session"] == current
-                                                       and stopsets.tty_of(current, self.proc_root)):
+            if stat["comm"].startswith(RESTARTERS) or (stat["session"] == current and stat.get("tty_nr")):
                 return   # the innermost manager, or the top of a login's programs (a session leader with a terminal)
             current = stat["ppid"]
 

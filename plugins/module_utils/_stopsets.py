@@ -19,6 +19,7 @@ import re
 import subprocess
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
+from ansible_collections.gpuops.fleet.plugins.module_utils import _jobs as jobs
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 
@@ -34,30 +35,21 @@ _USER_MANAGER_RE = re.compile(r"^user@(\d+)\.service$")
 SHIM_PREFIX = "containerd-shim"   # comm of containerd-shim-runc-v2 (15 characters kept)
 CHAIN_MAX = 64
 SHELLS = ("sh", "bash", "dash", "zsh", "ksh", "fish", "tcsh", "csh")
-CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 DEPENDENT_PROPERTIES = ("RequiredBy", "BoundBy", "ConsistsOf")   # units a stop of this one stops too
 LIVE_STATES = ("active", "activating", "reloading", "deactivating")
 
 
 def docker_shim_id(pid, proc_root):
     """The docker container id a containerd shim runs (`-namespace moby -id ID`), or None."""
-    argv = _argv(pid, proc_root)
+    argv = jobs.read_argv(pid, proc_root)
     options = dict(zip(argv, argv[1:]))
     found = options.get("-id")
     return found if options.get("-namespace") == "moby" and found and _DOCKER_ID_RE.match(found) else None
 
 
-def _argv(pid, proc_root):
-    try:
-        raw = procscan.read_bytes("%s/%d/cmdline" % (proc_root, pid))
-    except OSError:
-        return []
-    return [a.decode("utf-8", "replace") for a in raw.split(b"\0")]
-
-
 def supervisord_config(pid, proc_root):
     """The -c/--configuration of a supervisord process (a path inside its container), or None."""
-    argv = _argv(pid, proc_root)
+    argv = jobs.read_argv(pid, proc_root)
     for i, arg in enumerate(argv):
         if arg in ("-c", "--configuration") and i + 1 < len(argv):
             return argv[i + 1]
@@ -106,6 +98,7 @@ class Processes(object):
     def __init__(self, vmid, proc_root="/proc", table=None):
         self.vmid, self.proc_root = str(vmid), proc_root
         self.stats, self.inner, self._status = {}, {}, {}
+        self._init_uid = ()   # unread
         stats = getattr(table, "stats", None) or {}
         cgroups = getattr(table, "cgroups", None) or {}
         pids = sorted(cgroups) if cgroups else [int(n) for n in os.listdir(proc_root) if n.isdigit()]
@@ -136,12 +129,18 @@ class Processes(object):
     def uid(self, pid):
         return self.status(pid).get("uid")
 
+    def depth(self, pid):
+        """How many PID namespaces deep pid is, as NSpid lists them from the node; None when it cannot be read."""
+        return len(self.status(pid).get("nspid") or ()) or None
+
     def init_uid(self):
         """The uid (as the node sees it) of the container's init: pid 1 of the container's PID namespace, whose
-        parent is outside it; None when it cannot be told."""
-        tops = [p for p, stat in self.stats.items() if stat["ppid"] not in self.stats]
-        inits = [p for p in tops if (self.status(p).get("nspid") or [0])[-1] == 1]
-        return self.uid(inits[0]) if len(inits) == 1 else None
+        parent is outside it; None when it cannot be told. Read once."""
+        if self._init_uid == ():
+            tops = [p for p, stat in self.stats.items() if stat["ppid"] not in self.stats]
+            inits = [p for p in tops if (self.status(p).get("nspid") or [0])[-1] == 1]
+            self._init_uid = self.uid(inits[0]) if len(inits) == 1 else None
+        return self._init_uid
 
     def tree(self, top):
         """top and every process below it in this container."""
@@ -161,26 +160,10 @@ class Processes(object):
         return out
 
 
-def _nspid_depth(pid, proc_root):
-    try:
-        status = procscan.parse_status(procscan.read_text("%s/%d/status" % (proc_root, pid)))
-    except OSError:
-        return None
-    return len(status.get("nspid") or ()) or None
-
-
-def tty_of(pid, proc_root):
-    """The tty_nr of /proc/PID/stat (0: no controlling terminal), or None."""
-    try:
-        return int(procscan.read_text("%s/%d/stat" % (proc_root, pid)).rpartition(")")[2].split()[4])
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def _main(procs, pid, proc_root):
     stat = procs.stats.get(pid) or {}
     name = stat.get("comm")
-    shell = name in SHELLS and stat.get("session") == pid and bool(tty_of(pid, proc_root))
+    shell = name in SHELLS and stat.get("session") == pid and bool(stat.get("tty_nr"))
     return {"pid": pid, "name": name, "session_shell": shell}
 
 
@@ -329,7 +312,7 @@ def find(record, proc_root="/proc", table=None, procs=None):
     chain = procs.chain(record["pid"])
     if not chain:
         return no_set(vmid, "pid %d could not be read in container %s" % (record["pid"], vmid))
-    depth, init_depth = _nspid_depth(chain[0], proc_root), _nspid_depth(chain[-1], proc_root)
+    depth, init_depth = procs.depth(chain[0]), procs.depth(chain[-1])
     found = _docker(procs, chain, vmid, proc_root)
     if found is not None:
         return found
@@ -423,9 +406,8 @@ def _supervisord_service(record, proc_root):
 def _in_container(vmid, argv, timeout, attach="lxc-attach"):
     """(rc, output) of argv run inside container vmid by its own tools (lxc-attach, clean environment); None when it
     could not run."""
-    command = [attach, "-n", str(vmid), "--clear-env", "--set-var", "PATH=" + CONTAINER_PATH, "--"] + list(argv)
     try:
-        return helperproc.run_bounded(command, timeout)
+        return helperproc.run_bounded(node.attach_argv(vmid, argv, attach), timeout)
     except (OSError, subprocess.TimeoutExpired):
         return None
 

@@ -14,10 +14,9 @@ import shlex
 import subprocess
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
+from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
-from ansible_collections.gpuops.fleet.plugins.module_utils._decide import stop_set_verdict
-
-CONTAINER_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+from ansible_collections.gpuops.fleet.plugins.module_utils._decide import generic_unit, stop_set_verdict
 
 
 def run_on_node(argv, timeout, done="done"):
@@ -35,13 +34,9 @@ def run_on_node(argv, timeout, done="done"):
     return {"ok": True, "text": text or done}
 
 
-def attach_argv(vmid, argv, attach="lxc-attach"):
-    return [attach, "-n", str(vmid), "--clear-env", "--set-var", "PATH=" + CONTAINER_PATH, "--"] + list(argv)
-
-
 def stop(entry, timeout, attach="lxc-attach"):
     """Run entry's stop inside its container. {"ok", "text"}; never raises for the command's own failure."""
-    return run_on_node(attach_argv(entry["vmid"], entry["argv"], attach), timeout, "stopped")
+    return run_on_node(node.attach_argv(entry["vmid"], entry["argv"], attach), timeout, "stopped")
 
 
 KIND_WORDS = {"systemd": "unit", "systemd-user": "user unit", "supervisord": "supervisord program",
@@ -55,8 +50,8 @@ def plan_sets(report, planned, skipped, targets, all_gpu_indexes, collateral, to
     reason, collateral, how_to_stop and outcome (None until its stop ran)."""
     out = []
     for entry in stopsets.found_for(planned, proc_root, getattr(report, "scan", None)):
-        if entry["kind"] in ("systemd", "systemd-user"):
-            entry["dependents"] = stopsets.unit_dependents(entry)
+        if entry["kind"] in ("systemd", "systemd-user") and not generic_unit(entry["name"]):
+            entry["dependents"] = stopsets.unit_dependents(entry)   # a generic unit is refused without asking
         verdict = stop_set_verdict(entry, report, targets, all_gpu_indexes, [r["pid"] for r in planned], skipped,
                                    collateral, tolerance_mib)
         out.append(dict(entry, how_to_stop=how_to_stop(entry), outcome=None, **verdict))

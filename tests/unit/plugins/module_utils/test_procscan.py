@@ -11,7 +11,7 @@ def test_parse_stat_with_parentheses_and_spaces_in_comm():
     text = "812 (tp worker) (1)) D 700 812 812 0 -1 4194560 1 0 0 0 5 3 0 0 20 0 18 0 123456 1 1\n"
     stat = procscan.parse_stat(text)
     assert stat == {"pid": 812, "comm": "tp worker) (1)", "state": "D", "ppid": 700, "pgrp": 812, "session": 812,
-                    "flags": 4194560, "num_threads": 18, "starttime": 123456}
+                    "tty_nr": 0, "flags": 4194560, "num_threads": 18, "starttime": 123456}
 
 
 def test_parse_status_nspid_uid_threads():

@@ -534,6 +534,8 @@ def expected_set(world, pid):
 
 
 def run_world(world, root):
+    """The real engine over world, every check made; returns what was decided, one dict per target set and collateral
+    mode: targets, collateral, refusals, sets ({(kind, name) or ("no set", holders): verdict}), restart (verdict)."""
     gpus = world.write(root)
     confs = {VMID: node.parse_pve_conf("".join("dev%d: /dev/nvidia%d\n" % (g, g) for g in range(world.gpus)))}
     with pytest.MonkeyPatch.context() as patch:
@@ -545,7 +547,7 @@ def run_world(world, root):
         engine.start()
         try:
             report = engine.snapshot(list(range(world.gpus)))
-            check_report(world, engine, report, root)
+            return check_report(world, engine, report, root)
         finally:
             engine.nvml.shutdown()
 
@@ -557,6 +559,7 @@ def check_report(world, engine, report, root):
     processes = node.processes_by_container(root, report.scan).get(VMID, [])
     members = [p["pid"] for p in processes]
     assert sorted(members) == sorted(world.procs), said(repr(world), "the container's processes", members)
+    decided = []
     for targets in target_sets(world.gpus):
         for collateral in ("refuse", "stop"):
             why = "targets %s, collateral %s" % (targets, collateral)
@@ -580,6 +583,11 @@ def check_report(world, engine, report, root):
             assert [e for e in releaser.stop_sets if e["verdict"] == "stop"] == allowed, said(why, "stopped", allowed)
             verdict = releaser._restart_verdict(report, VMID, processes)   # pylint: disable=protected-access
             check_restart(world, verdict, members, targets, planned, collateral, exact, why)
+            decided.append({"targets": targets, "collateral": collateral, "refusals": releaser.refusals,
+                            "restart": verdict["verdict"], "sets": dict(
+                                (("no set", tuple(e["pids"])) if e["kind"] is None else (e["kind"], e["name"]),
+                                 e["verdict"]) for e in releaser.stop_sets)})
+    return decided
 
 
 def scratch():
@@ -595,9 +603,12 @@ def test_stop_sets_take_only_the_holders_own_program_and_no_untargeted_gpu_work(
     world = World(seed).draw()
     root = scratch()
     try:
-        run_world(world, os.path.join(root, "proc"))
+        decided = run_world(world, os.path.join(root, "proc"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    # every target set was decided under both collateral modes, each decision checked against the truth above
+    assert [(d["targets"], d["collateral"]) for d in decided] == [
+        (t, c) for t in target_sets(world.gpus) for c in ("refuse", "stop")], decided
 
 
 def test_a_world_prints_its_seed_and_processes():
@@ -618,9 +629,10 @@ def small_world(gpus):
 
 
 def run_small(world):
+    """What run_world decided, by (targets, collateral)."""
     root = scratch()
     try:
-        run_world(world, os.path.join(root, "proc"))
+        return dict(((tuple(d["targets"]), d["collateral"]), d) for d in run_world(world, os.path.join(root, "proc")))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -628,8 +640,9 @@ def run_small(world):
 def test_a_planned_holders_ambiguous_untargeted_gpu_is_collateral(monkeypatch):
     """trainer.service's one process holds GPU 0 (2 GiB) and GPU 1 (30 GiB); a process started by hand holds GPU 1
     (2 GiB); NVML names neither (forks of dead parents). GPU 0's orphaned memory pins the trainer there; GPU 1's fits
-    both, so both are ambiguous there. Releasing GPU 0 with collateral: refuse plans the trainer (decide counts no
-    untargeted share of it) and decides `systemctl stop trainer.service`: its 30 GiB on GPU 1 go with it."""
+    both, so both are ambiguous there. Releasing GPU 0 with collateral: refuse planned the trainer (decide counted no
+    untargeted share of it) and decided `systemctl stop trainer.service`: its 30 GiB on GPU 1 went with it. Now the
+    ambiguous GPU is collateral: the holder, its unit and the restart are refused."""
     world = small_world(2)
     key = world.group("systemd", "trainer.service", "own")
     world.add(210, INIT, "python3", ["python3", "train.py"], "/system.slice/trainer.service",
@@ -637,13 +650,16 @@ def test_a_planned_holders_ambiguous_untargeted_gpu_is_collateral(monkeypatch):
     world.add(220, INIT, "python3", ["python3", "try.py"], "/init.scope", gpu=True)
     world.contexts = {210: {0: 2048, 1: 30000}, 220: {1: 2048}}
     world.unnamed = set([210, 220])
-    run_small(world)
+    decided = run_small(world)[((0,), "refuse")]
+    assert decided["sets"] == {("systemd", "trainer.service"): "refused"} and decided["restart"] == "refused", decided
+    assert [r for r in decided["refusals"] if r.startswith("pid 210 (python3) also has a context on GPU 1")], decided
 
 
 def test_a_docker_exec_holders_set_is_its_whole_container():
     """Docker container C runs a server on GPU 1 (2 GiB); `docker exec` started a job on GPU 0 in it. Releasing GPU 0
-    finds C by the job's shim, lists the job alone as its members, and decides `docker stop C`: the server's work on
-    GPU 1 goes with it."""
+    found C by the job's shim, listed the job alone as its members, and decided `docker stop C`: the server's work on
+    GPU 1 went with it. Now every process of C is a member and its main is its entrypoint (the server, no ancestor of
+    the job): refused, with collateral: stop too."""
     world = small_world(2)
     containerd = world.group("systemd", "containerd.service", "generic")
     key = world.group("docker", CID[:12], "own")
@@ -653,13 +669,15 @@ def test_a_docker_exec_holders_set_is_its_whole_container():
     world.add(210, 205, "python3", ["python3", "serve.py"], cg, program=("docker", CID), groups=[key], depth=3)
     world.add(220, 205, "python3", ["python3", "debug.py"], cg, program=("docker", CID), groups=[key], depth=3)
     world.contexts = {210: {1: 2048}, 220: {0: 2048}}
-    run_small(world)
+    decided = run_small(world)
+    for collateral in ("refuse", "stop"):
+        assert decided[((0,), collateral)]["sets"] == {("docker", CID[:12]): "refused"}, decided[((0,), collateral)]
 
 
 def test_a_docker_container_inside_a_nested_container_has_no_set():
-    """A nested LXC container in 101 runs docker; its container's process holds GPU 0. Its set is that docker
-    container, to be stopped by `docker stop` run in container 101, where no such container is: it must be "no set",
-    as any holder of a nested container."""
+    """A nested LXC container in 101 runs docker; its container's process holds GPU 0. Its set was that docker
+    container, to be stopped by `docker stop` run in container 101, where no such container is: it is "no set", as
+    any holder of a nested container."""
     world = small_world(1)
     world.add(205, INIT, "lxc-start", ["lxc-start", "-F", "-n", "inner"], "/lxc.monitor/inner", role="manager")
     world.add(210, 205, "systemd", ["/sbin/init"], "/lxc/inner/ns/init.scope", role="manager", depth=3)
@@ -668,4 +686,5 @@ def test_a_docker_container_inside_a_nested_container_has_no_set():
     world.add(220, 215, "python3", ["python3", "serve.py"], "/lxc/inner/ns/system.slice/docker-%s.scope" % CID,
               program=("nested", 205), depth=4, gpu=True)
     world.contexts = {220: {0: 2048}}
-    run_small(world)
+    decided = run_small(world)
+    assert [d["sets"] for d in decided.values()] == [{("no set", (220,)): "no set"}] * 2, decided

@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import time
 
 import pytest
 import yaml
@@ -609,6 +610,211 @@ def test_clean_shm_removes_only_residue_from_the_node_and_inside_and_check_mode_
         assert _shm_names(clean, 102) == ["PostgreSQL.1"]
     finally:
         clean.exec(102, "sh", "-c", "rm -f /dev/shm/nccl-leak /dev/shm/PostgreSQL.1 /dev/shm/sgl_live")
+
+
+# Issue 43, S1 in the lab. The lab node's /dev/shm is the host's (nodeinit binds /dev's submounts back), so the
+# world first stacks a tmpfs of the node's own on it, in the node's mount namespace only, then binds that tmpfs
+# over container 101's own /dev/shm: open_tree(OPEN_TREE_CLONE) on the node, setns into the container's mount
+# namespace, move_mount (a plain bind cannot take its source from another mount namespace). `unbind` undoes it,
+# top mount first, and only mounts whose source is NODE_SHM_SOURCE: never the container's own tmpfs nor the host's.
+NODE_SHM_SOURCE = "gpuops-lab-node-shm"
+SHARE_NODE_SHM = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL("libc.so.6", use_errno=True)
+libc.syscall.restype = ctypes.c_long
+SOURCE, NAMES = sys.argv[3], sys.argv[4:]
+MS_NOSUID, MS_NODEV, CLONE_NEWNS, AT_FDCWD, MNT_DETACH = 2, 4, 0x20000, -100, 2
+OPEN_TREE, MOVE_MOUNT, OPEN_TREE_CLONE, MOVE_MOUNT_F_EMPTY_PATH = 428, 429, 1, 4
+
+
+def check(rc, what):
+    if rc < 0:
+        err = ctypes.get_errno()
+        sys.exit("%s: %s" % (what, os.strerror(err)))
+    return rc
+
+
+def tops(pid):
+    # how many mounts of ours are stacked at the top of /dev/shm in pid's mount namespace (read from the node)
+    with open("/proc/%s/mountinfo" % pid) as f:
+        sources = [line.split(" - ")[1].split()[1] for line in f if line.split()[4] == "/dev/shm"]
+    count = 0
+    while count < len(sources) and sources[-1 - count] == SOURCE:
+        count += 1
+    return count
+
+
+ct = int(sys.argv[2])
+node_ns = os.open("/proc/self/ns/mnt", os.O_RDONLY | os.O_CLOEXEC)
+ct_ns = os.open("/proc/%d/ns/mnt" % ct, os.O_RDONLY | os.O_CLOEXEC)
+if sys.argv[1] == "bind":
+    if not tops("self"):
+        check(libc.mount(SOURCE.encode(), b"/dev/shm", b"tmpfs", MS_NOSUID | MS_NODEV, b"mode=1777"), "mount tmpfs")
+    tree = check(libc.syscall(ctypes.c_long(OPEN_TREE), ctypes.c_long(AT_FDCWD), ctypes.c_char_p(b"/dev/shm"),
+                              ctypes.c_long(OPEN_TREE_CLONE | os.O_CLOEXEC)), "open_tree /dev/shm")
+    if not tops(ct):
+        check(libc.setns(ct_ns, CLONE_NEWNS), "setns into the container")
+        check(libc.syscall(ctypes.c_long(MOVE_MOUNT), ctypes.c_long(tree), ctypes.c_char_p(b""),
+                           ctypes.c_long(AT_FDCWD), ctypes.c_char_p(b"/dev/shm"),
+                           ctypes.c_long(MOVE_MOUNT_F_EMPTY_PATH)), "move_mount onto the container's /dev/shm")
+else:
+    stacked = tops(ct)
+    if stacked:
+        check(libc.setns(ct_ns, CLONE_NEWNS), "setns into the container")
+        for _ in range(stacked):
+            check(libc.umount2(b"/dev/shm", MNT_DETACH), "umount the container's /dev/shm")
+        check(libc.setns(node_ns, CLONE_NEWNS), "setns back into the node")
+    if tops("self"):
+        for name in NAMES:
+            if os.path.lexists("/dev/shm/" + name):
+                os.unlink("/dev/shm/" + name)
+    for _ in range(tops("self")):
+        check(libc.umount2(b"/dev/shm", MNT_DETACH), "umount the node's /dev/shm")
+"""
+NODE_SHM_USER = ("import mmap, os, time\n"
+                 "fd = os.open('/dev/shm/nccl-live', os.O_RDWR | os.O_CREAT, 0o600)\n"
+                 "os.ftruncate(fd, 4096)\n"
+                 "os.utime(fd, (time.time() - 3600, time.time() - 3600))\n"
+                 "m = mmap.mmap(fd, 4096)\n"
+                 "os.close(fd)\n"
+                 "time.sleep(300)\n")
+SHARED_SHM_NAMES = ("nccl-live", "nccl-leak", "PostgreSQL.1")
+
+
+def _shared_shm_world(lab, action=None, vmid=101):
+    """bind: the node's own /dev/shm bound over container vmid's; unbind: the node process killed (by its match), the
+    files removed, both mounts undone; None: neither. Returns the identities the tests assert on: (st_dev, st_ino) of
+    the host's /dev/shm and of the node's and the container's (through their inits' roots)."""
+    status = json.loads(lab.labctl("status", parse=False))["nodes"]["pve1"]["containers"][str(vmid)]
+    with open(os.path.join(state_dir(lab.lab_id), "labctl.json")) as f:
+        node_init = json.load(f)["nodes"]["pve1"]["init_pid"]
+    world = {"rc": 0, "output": "", "node_init": node_init}
+    if action == "unbind":
+        lab.labctl("node-exec", "--node", "pve1", "--", "pkill", "-f", "gpuops_node_shm_user", parse=False, check=False)
+    if action:
+        done = subprocess.run([os.path.join(REPO, "tests", "lab", "labctl"), "node-exec", "--node", "pve1", "--", "python3",
+                               "-c", SHARE_NODE_SHM, action, str(status["init_node_pid"]), NODE_SHM_SOURCE]
+                              + list(SHARED_SHM_NAMES), env=lab.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              universal_newlines=True, timeout=60, check=False)
+        world.update(rc=done.returncode, output=done.stdout)
+    world.update(host=_identity("/dev/shm"), node=_identity("/proc/%d/root/dev/shm" % node_init),
+                 container=_identity("/proc/%d/root/dev/shm" % status["init_host_pid"]))
+    return world
+
+
+def _node_shm_user():
+    """The host pid of the live process that maps /dev/shm/nccl-live (matched by gpuops_node_shm_user), else None."""
+    for entry in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/cmdline" % entry, "rb") as f:
+                if b"gpuops_node_shm_user" not in f.read() or not host_alive(int(entry)):
+                    continue
+            with open("/proc/%s/maps" % entry) as f:
+                if "/dev/shm/nccl-live" in f.read():
+                    return int(entry)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
+def _node_shm_names(world):
+    return sorted(os.listdir("/proc/%d/root/dev/shm" % world["node_init"]))
+
+
+def _start_shared_shm_world(lab):
+    """The world of both S1 tests: the bind, a live node process mapping nccl-live (mtime an hour ago), an old unused
+    nccl-leak and a database's PostgreSQL.1 written from inside the container; the user waited for (mapped)."""
+    world = _shared_shm_world(lab, "bind")
+    world["files"], world["user"] = None, None
+    if world["rc"] == 0 and world["node"] != world["host"]:   # never a file in the host's /dev/shm
+        lab.labctl("node-exec", "--node", "pve1", "--", "sh", "-c",
+                   "setsid python3 -c \"$0\" gpuops_node_shm_user > /dev/null 2>&1 < /dev/null &", NODE_SHM_USER, parse=False)
+        world["files"] = lab.exec(101, "python3", "-c", SHM_FILES).returncode
+        world["user"] = wait_until(_node_shm_user, timeout=20)
+    return world
+
+
+def _shared_shm_facts(lab, before, world):
+    """What the tests assert of the world (SHARED_SHM_WORLD), read from the host and the container."""
+    user = world["user"]
+    with open("/proc/%d/cgroup" % user if user else "/dev/null") as f:
+        cgroup = f.read()
+    return {"bound": (world["rc"], world["output"]), "node_was_the_hosts": before["node"] == before["host"],
+            "node_own": world["node"] != world["host"], "container_was_its_own": before["container"] != before["node"],
+            "container_is_node": world["container"] == world["node"], "files_written": world["files"],
+            "user_mapped": bool(user), "user_in_no_container": bool(user) and "/lxc/" not in cgroup,
+            "user_on_the_node": bool(user) and os.stat("/proc/%d/ns/mnt" % user).st_ino == os.stat(
+                "/proc/%d/ns/mnt" % world["node_init"]).st_ino,
+            "live_mtime_old": os.stat("/proc/%d/root/dev/shm/nccl-live" % world["node_init"]).st_mtime < time.time() - 3000
+            if user else None,
+            "names_node": _node_shm_names(world), "names_container": _shm_names(lab, 101)}
+
+
+SHARED_SHM_WORLD = {"bound": (0, ""), "node_was_the_hosts": True, "node_own": True, "container_was_its_own": True,
+                    "container_is_node": True, "files_written": 0, "user_mapped": True, "user_in_no_container": True,
+                    "user_on_the_node": True, "live_mtime_old": True,
+                    "names_node": ["PostgreSQL.1", "nccl-leak", "nccl-live"],
+                    "names_container": ["PostgreSQL.1", "nccl-leak", "nccl-live"]}
+
+
+def test_bind_shared_dev_shm_out_of_scope_is_skipped_by_a_node_side_clean_shm(clean):
+    """Issue 43, S1 in the lab: container 101's /dev/shm is the node's own (a bind mount), where a live node process
+    maps nccl-live (mtime an hour ago), beside an unused old nccl-leak and PostgreSQL.1. gpu_release from the node
+    with clean_shm scoped to containers [101] only (no host processes): the folder is shared with the node, outside
+    the scope, so nothing in it is listed or removed, check mode or not, and shm_skipped names it."""
+    before = _shared_shm_world(clean)
+    try:
+        world = _start_shared_shm_world(clean)
+        assert _shared_shm_facts(clean, before, world) == SHARED_SHM_WORLD, world
+        args = dict(FAST, containers=[101], clean_shm=True)
+        for check_mode in (True, False):
+            play = clean.direct("pve1", "gpu_release", args, check_mode=check_mode)
+            assert not play.failed and play["shm_residue"] == play["shm_removed"] == play["shm_left"] == [], play
+            assert [(s["vmid"], s["path"]) for s in play["shm_skipped"]] == [(101, "/dev/shm")], play
+            assert "shared" in play["shm_skipped"][0]["why"] and "node" in play["shm_skipped"][0]["why"], play
+            assert _node_shm_names(world) == ["PostgreSQL.1", "nccl-leak", "nccl-live"]
+            assert _node_shm_user() == world["user"]
+    finally:
+        after = _shared_shm_world(clean, "unbind")
+    assert after["rc"] == 0, after["output"]
+    assert after["node"] == before["node"] and after["container"] == before["container"], (before, after)
+    assert wait_until(lambda: _node_shm_user() is None, timeout=10)
+
+
+def test_bind_shared_dev_shm_in_scope_keeps_the_node_process_live_segment(clean):
+    """Issue 43, S1 in the lab: the same world; with containers [101] and host_processes the shared folder is in the
+    scope: check mode lists only the unused nccl-leak (once, as the node's or as 101's: one file on one mount) and
+    removes nothing; the real run removes only it; the segment the live node process maps (found by its
+    (st_dev, st_ino) in that process's maps, not by container) and the database's stay, the process lives on; a
+    second run changes nothing."""
+    before = _shared_shm_world(clean)
+    try:
+        world = _start_shared_shm_world(clean)
+        assert _shared_shm_facts(clean, before, world) == SHARED_SHM_WORLD, world
+        args = dict(FAST, containers=[101], host_processes=True, clean_shm=True)
+        leak = [("/dev/shm/nccl-leak", 8192, "nccl", True)]
+        check = clean.direct("pve1", "gpu_release", args, check_mode=True)
+        assert not check.failed and [(e["path"], e["bytes"], e["owner"], e["vmid"] in (None, 101))
+                                     for e in check["shm_residue"]] == leak, check
+        assert check["shm_removed"] == check["shm_left"] == check["shm_skipped"] == [], check
+        assert "1 shared-memory residue files would be removed" in check["msg"], check
+        assert _node_shm_names(world) == ["PostgreSQL.1", "nccl-leak", "nccl-live"]
+        done = clean.play("pve1", "gpu_release", args)
+        assert not done.failed and done["changed"], done
+        assert [(e["path"], e["bytes"], e["owner"], e["vmid"] in (None, 101)) for e in done["shm_residue"]] == leak, done
+        assert [(e["path"], e["bytes"], e["owner"], e["vmid"] in (None, 101)) for e in done["shm_removed"]] == leak, done
+        assert done["shm_left"] == done["shm_skipped"] == [], done
+        assert _node_shm_names(world) == _shm_names(clean, 101) == ["PostgreSQL.1", "nccl-live"]
+        assert _node_shm_user() == world["user"] and host_alive(world["user"])
+        again = clean.direct("pve1", "gpu_release", args)
+        assert not again.failed and not again["changed"], again
+        assert again["shm_residue"] == again["shm_removed"] == again["shm_left"] == again["shm_skipped"] == [], again
+        assert _node_shm_names(world) == ["PostgreSQL.1", "nccl-live"] and _node_shm_user() == world["user"]
+    finally:
+        after = _shared_shm_world(clean, "unbind")
+    assert after["rc"] == 0, after["output"]
+    assert after["node"] == before["node"] and after["container"] == before["container"], (before, after)
+    assert wait_until(lambda: _node_shm_user() is None, timeout=10)
 
 
 def test_device_access_is_read_inside_each_container_from_the_node(clean):

@@ -15,6 +15,7 @@ import pwd
 import sys
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
@@ -254,10 +255,11 @@ class Engine(object):
         self.shm_dir = "/dev/shm"
         self.node_root = "/"      # the root this host's shm_dir is walked from (a container's: /proc/INIT/root)
         self.shm_since = None     # epoch: residue must be older than this too (a release's start)
-        self.deadline = None      # monotonic: reads through another root are bounded by it too (a release's)
+        self.deadline = None      # monotonic, set by the releaser: reads through another root and MPS asks end by it
         self._unknown_minors = set()
         self.rank_deaths = {}   # set by the releaser: {index: [{"pid", "mib", "survivors"}]} seen this run
         self.generation = None  # NVML's generation when the GPUs were listed
+        self.mps_silent = {}      # control daemon pid -> how it did not answer in time: not asked again
 
     # -- setup
     def start(self):
@@ -504,6 +506,7 @@ class Engine(object):
                     if proc.get("mps"):
                         records[proc["pid"]]["mps_client_on"].append(view_index)
                         records[proc["pid"]]["mps_role"] = records[proc["pid"]]["mps_role"] or "client"
+        mps_servers = self._mps_servers(records)
         orphans, stale = pinning.pin(holders, views, slack_mib=self.threshold_mib)
         for record in holders:
             record["unattributed"] = not record["gpus"] and not record["unknown_gpus"]
@@ -543,6 +546,9 @@ class Engine(object):
         report.nvml_stale, report.linked = stale, linked
         report.conf_vmids = None if confs is None else sorted(confs, key=int)   # the node's container configs
         report.unknown_gpus = self._unknown(holders)
+        report.mps_servers = mps_servers
+        report.mps_nvml_unread = dict((i, self.nvml.mps_unread.get(i) or v["error"]) for i, v in views.items()
+                                      if v["procs"] is None or i in self.nvml.mps_unread)
         report.unreadable = self.unreadable(scan, gpu_reports)
         if places is not None:
             self._shm_report(report, places, scan, min(started, self.shm_since) if self.shm_since else started)
@@ -554,6 +560,17 @@ class Engine(object):
         if self.deadline is None:
             return procscan.READ_TIMEOUT_S
         return max(0.05, min(procscan.READ_TIMEOUT_S, self.deadline - time.monotonic()))
+
+    def _mps_servers(self, records):
+        """With an MPS server among the processes, what the control daemons say of its clients (mps.read_servers,
+        each ask bounded by the deadline); the records they list as clients get mps_role client."""
+        servers = [r for r in records.values() if r["mps_role"] == "server"]
+        found = mps.read_servers(servers, list(records.values()), self.proc_root, self.view == "node",
+                                 self.deadline, self.mps_silent)
+        for entry in found.values():
+            for pid in entry["clients"] or ():
+                records[pid]["mps_role"] = records[pid]["mps_role"] or "client"
+        return found
 
     def shm_places(self):
         """{None: this host's /dev/shm, vmid: each running container's (from a node), through its init's root}, each
@@ -746,6 +763,8 @@ class Report(object):
         self.shm_residue = self.shm_residue_by_container = self.shm_skipped = None
         self.shm_places, self.shm_judged = {}, {}
         self.conf_vmids = None   # node view: the vmids with a config on this node (None: unread, or not a node)
+        self.mps_servers = {}    # server pid -> what its control daemon says of its clients (mps.read_servers)
+        self.mps_nvml_unread = {}  # GPU index -> why NVML's MPS client list could not be read there
 
     @property
     def all_free(self):
@@ -879,7 +898,28 @@ def _mps_lines(report):
             "holds a share of its own; a client is stopped by terminate_client through the MPS control daemon, then "
             "SIGTERM and SIGKILL; the server only with all of its clients; the control daemon never"
             % (", ".join("pid %d (%s)" % (r["pid"], shares(r)) for r in servers) or "none seen",
-               ", ".join("pid %d (%s)" % (r["pid"], shares(r)) for r in clients) or "none")]
+               ", ".join("pid %d (%s)" % (r["pid"], shares(r)) for r in clients) or "none")] + [
+        _mps_server_line(report, r["pid"]) for r in servers]
+
+
+def _mps_server_line(report, pid):
+    """Who an MPS server serves, as its control daemon lists them, or why that is not known."""
+    entry = report.mps_servers.get(pid) or {"clients": None, "why": "its control daemons were not asked", "unseen": []}
+    unread = report.mps_nvml_unread
+    nvml = ("NVML lists no MPS client on GPU %s (%s)" % (", ".join(str(i) for i in sorted(unread)), "; ".join(
+        sorted(set(str(w) for w in unread.values())))) if unread else "NVML's MPS client list names every MPS client")
+    if entry["unseen"]:
+        unseen = ", ".join(str(p) for p in entry["unseen"])
+        return ("MPS server pid %d: control daemon pid %d lists clients %s (pids as it sees them) that are not seen here: "
+                "it is never signalled while they may live" % (pid, entry["control"]["pid"], unseen))
+    if entry["clients"] is not None:
+        return "MPS server pid %d serves %s, as control daemon pid %d lists them" % (
+            pid, ", ".join("pid %d" % p for p in entry["clients"]) or "no client", entry["control"]["pid"])
+    if unread:
+        return ("MPS server pid %d: its clients cannot be known (%s; %s): it is never signalled; end its clients' "
+                "work, then stop MPS through its control daemon (quit) by hand" % (pid, entry["why"], nvml))
+    return ("MPS server pid %d: its control daemon could not tell its clients (%s); %s, and those are its clients here, "
+            "signalled without terminate_client" % (pid, entry["why"], nvml))
 
 
 def diagnose(report):

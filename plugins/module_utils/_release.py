@@ -200,6 +200,7 @@ class Releaser(object):
         self.match = match
         self.protect = protect
         self.deadline = deadline
+        engine.deadline = deadline   # reads through a container's root and MPS asks, in each snapshot, end by it
         self.log = log or (lambda msg: None)
         self.check_mode = check_mode
         self.lock_dir = lock_dir
@@ -250,6 +251,16 @@ class Releaser(object):
         if self.deadline is not None:
             end = min(end, self.deadline)
         return end
+
+    def late_read(self, report):
+        """Why nothing may be signalled after the read of report: the overall timeout was reached during it (an MPS
+        control daemon that did not answer, say), or None."""
+        left = self._left()
+        if left is None or left > 0:
+            return None
+        whys = sorted(set(e["why"] for e in (getattr(report, "mps_servers", None) or {}).values() if e["why"]))
+        return "the overall timeout was reached while the GPUs were read%s; nothing was signalled" % (
+            "" if not whys else " (MPS: %s)" % "; ".join(whys))
 
     def _set_rung(self, rung):
         if RUNGS.index(rung) > RUNGS.index(self.rung):
@@ -754,29 +765,24 @@ class Releaser(object):
             self.plan.append(plan_entry(record, self.targets, decision, self.tolerance_mib))
         return fresh
 
-    def _terminate_mps_clients(self, clients):
-        """terminate_client SERVER CLIENT through the MPS control daemon for each MPS client about to be signalled:
-        its GPU work ends safely; the ladder then ends the process (terminate_client frees nothing, row 28)."""
-        if not clients:
-            return
-        controls = mps.find_controls(self.proc_root, node_view=self.engine.view == "node")
-        served = {}   # (vmid key or None, pid as the daemon sees it) -> (control, server)
-        for control in controls:
-            for server, pids in mps.servers_and_clients(control).items():
-                for pid in pids:
-                    served[(node.vmid_key(control["vmid"]), pid)] = (control, server)
+    def _terminate_mps_clients(self, report, clients):
+        """terminate_client SERVER CLIENT for each MPS client about to be signalled, through the control daemon that
+        lists it in report's evidence (pids as that daemon sees them), each ask bounded by the time left: its GPU
+        work ends safely; the ladder then ends the process (terminate_client frees nothing, row 28)."""
+        evidence = getattr(report, "mps_servers", None) or {}
+        served = {}   # client pid -> (its server's evidence, the client's pid as its daemon sees it)
+        for entry in evidence.values():
+            for pid, seen in entry["clients_as"].items():
+                served[pid] = (entry, seen)
         for record in clients:
-            vmid = record.get("container")
-            in_ct = vmid not in (None, node.HOST, node.UNATTRIBUTED) and record.get("container_pid")
-            found = served.get((None, record["pid"])) or (
-                served.get((node.vmid_key(vmid), record["container_pid"])) if in_ct else None)
-            if found is None:
-                self._record(record, "terminate_client", "skipped: no MPS control daemon lists it as a client (%d "
-                             "daemons found); the ladder alone follows" % len(controls))
+            if record["pid"] not in served:
+                self._record(record, "terminate_client", "skipped: no MPS control daemon lists it as a client (%s); "
+                             "the ladder alone follows" % ("; ".join(sorted(set(
+                                 e["why"] for e in evidence.values() if e["why"]))) or "none asked"))
                 continue
-            control, server = found
-            client = record["pid"] if control["vmid"] is None else record["container_pid"]
-            ok, text = mps.ask(control, "terminate_client %d %d" % (server, client))
+            entry, client = served[record["pid"]]
+            control, server = entry["control"], entry["server_as"]
+            ok, text = mps.ask(control, "terminate_client %d %d" % (server, client), deadline=self.deadline)
             self._record(record, "terminate_client", "%s: server %d, control daemon pid %d%s: %s"
                          % ("done" if ok else "failed", server, control["pid"],
                             "" if control["vmid"] is None else " (in container %s, pids as seen there)" % control["vmid"], text))
@@ -794,7 +800,7 @@ class Releaser(object):
                                           getattr(getattr(report, "scan", None), "stats", None))
         watched = list(self.to_signal)
         outcome = "gone"
-        self._terminate_mps_clients([r for r in self.to_signal if r.get("mps_role") == "client"])
+        self._terminate_mps_clients(report, [r for r in self.to_signal if r.get("mps_role") == "client"])
         if self.to_signal:
             outcome = self._escalate(list(self.to_signal), watched)
         for dummy in range(HEIR_ROUNDS):
@@ -1314,7 +1320,6 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
     started = time.monotonic()
     started_epoch = time.time()
     opts = dict(options)
-    engine.deadline = deadline
     releaser = Releaser(engine, targets, term_timeout=opts.get("term_timeout", 10.0),
                         kill_timeout=opts.get("kill_timeout", 10.0), verify_timeout=opts.get("verify_timeout", 30.0),
                         reset_timeout=opts.get("reset_timeout", 120.0),
@@ -1446,6 +1451,10 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         before = releaser.snapshot()
         read_shm(False)
         result.update(releaser.evidence)
+        late = releaser.late_read(before)
+        if late:
+            result["diagnosis"] = list(before.diagnosis)
+            return finish(True, "%s (timeout %ss)" % (late, opts.get("timeout")), before, None)
         broken = before.errors
         if broken:
             msg = "; ".join("GPU %s%s: %s" % (g["index"], " (%s)" % g["uuid"] if g.get("uuid") else "", g["error"])

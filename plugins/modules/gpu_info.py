@@ -498,8 +498,12 @@ holders:
       sample: [2]
     mps_role:
       description:
-        - C(client) (NVML's MPS list names it), C(server) (C(nvidia-cuda-mps-server)), C(control) (the MPS control
-          daemon, never signalled), or null.
+        - C(client) (NVML's MPS list names it, or the control daemon of an MPS server lists it with
+          C(get_client_list)), C(server) (C(nvidia-cuda-mps-server)), C(control) (the MPS control daemon, never
+          signalled), or null.
+        - With an MPS server among the processes, its control daemon is asked C(get_server_list) and
+          C(get_client_list), each ask bounded (10 s); a daemon that does not answer in time is not asked again in
+          the task, and the diagnosis names it.
       type: str
       sample: client
     mps_client_on:

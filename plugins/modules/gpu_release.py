@@ -43,6 +43,12 @@ description:
     NVML client (a process with the device files open but nothing mapped), pid 1, the module's own process tree,
     C(nvidia-persistenced), C(nv-hostengine), C(nv-fabricmanager), C(dcgm-exporter), C(sshd), C(lxc-attach), C(pct),
     or anything listed in O(protect)."
+  - "An MPS server (C(nvidia-cuda-mps-server)) is signalled only with every client it serves: those its control
+    daemon lists (C(get_client_list), pids mapped from a container's), and, where NVML has an MPS client list, every
+    client NVML names. A client that stays (on a GPU that is not targeted, say) keeps the server, whatever its share
+    there. A server whose clients cannot be known (no NVML MPS list, and no answer from a daemon) is never signalled;
+    RV(not_signalled) and the diagnosis say why. Each ask of a control daemon waits at most 10 s, and never past
+    O(advanced.timeout)."
   - Each signal is guarded against pid reuse (a pidfd and a start-time check, or psutil's create-time check), is
     recorded in RV(actions) and written to the target's log.
   - "Respawn by parentage: from the first signal to the verdict, and for 3 seconds after a verified release (up to
@@ -338,6 +344,8 @@ options:
         description:
           - Overall limit in seconds for the whole task, enforced by the module itself, so that a dropped SSH channel
             cannot leave it running forever. More than 0.
+          - The asks of MPS control daemons count against it; when it is reached while the GPUs are first read (a
+            daemon that does not answer), nothing is signalled and the task fails, naming the daemon.
         type: float
         default: 180
       verify_timeout:

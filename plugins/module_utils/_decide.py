@@ -320,15 +320,49 @@ def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_p
 
 
 def _mps_servers_last(report, chosen, decision):
-    """An MPS server is signalled only when every MPS client is too: killing it under a client left running
-    leaves that client's work undefined."""
-    clients = sorted(r["pid"] for r in report.holders if r.get("mps_role") == "client")
+    """An MPS server is a set: itself and every client it serves. It is signalled only when each of its clients is
+    signalled too (or gone), whatever its own share: killing it under a live client leaves that client's work
+    undefined (GPU_FACTS row 28). A server whose clients cannot be known is never signalled."""
     for record in [r for r in chosen.values() if r.get("mps_role") == "server"]:
-        left = [pid for pid in clients if pid not in chosen]
-        if left:
+        reason = mps_server_refusal(report, record, chosen)
+        if reason:
             del chosen[record["pid"]]
-            decision.skipped.append(_skip(record, "the MPS server, signalled only with all of its clients: pids %s stay"
-                                          % ", ".join(str(p) for p in left)))
+            decision.skipped.append(_skip(record, reason))
+
+
+def mps_server_refusal(report, server, chosen):
+    """Why an MPS server may not be signalled with the processes chosen, or None. Its clients are those its control
+    daemon lists (report.mps_servers) and, where NVML's MPS client list was read on every GPU, every client NVML
+    names (it does not say whose); with neither, they cannot be known. A client its daemon lists that is not seen
+    here may live: unknown too."""
+    evidence = (getattr(report, "mps_servers", None) or {}).get(server["pid"]) or {}
+    unread = getattr(report, "mps_nvml_unread", None) or {}
+    if evidence.get("unseen"):
+        return ("the MPS server, never signalled while its clients cannot be known: control daemon pid %d lists "
+                "clients %s (pids as it sees them) that are not seen here" % (
+                    evidence["control"]["pid"], ", ".join(str(p) for p in evidence["unseen"])))
+    if evidence.get("clients") is None and unread:
+        return ("the MPS server, never signalled while its clients cannot be known: %s; NVML lists no MPS client on "
+                "GPU %s" % (evidence.get("why") or "no MPS control daemon was asked",
+                            ", ".join(str(i) for i in sorted(unread))))
+    clients = set(evidence.get("clients") or ())
+    if not unread:
+        clients.update(r["pid"] for r in report.holders if r.get("mps_client_on"))
+    others = dict((r["pid"], r) for r in list(report.holders) + list(getattr(report, "clients", ())))
+    left = sorted(p for p in clients if p not in chosen and p != server["pid"])
+    if not left:
+        return None
+    return ("the MPS server, signalled only with all of its clients: %s stay%s; stopping the server under a live client "
+            "leaves that client's work undefined (collateral, whatever the server's own share there)" % (
+                ", ".join("pid %d (%s)" % (p, _gpu_words(others.get(p))) for p in left), "s" if len(left) == 1 else ""))
+
+
+def _gpu_words(record):
+    if record is None:
+        return "not seen here"
+    if record.get("gpus"):
+        return gpu_list_words(record["gpus"])
+    return "no GPU pinned, maps %s" % (", ".join(str(i) for i in record.get("maps_gpus") or ()) or "none")
 
 
 def unknown_words(minors, unknown_index):

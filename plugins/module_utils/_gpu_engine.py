@@ -8,12 +8,14 @@ of AnsibleModule, so it can later run on a Proxmox node against host pids.
 
 from __future__ import annotations
 
+import errno
 import math
 import os
 import pwd
 import sys
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
@@ -247,14 +249,17 @@ class Engine(object):
         self.in_container = self.view == "container"
         self._ticks = _clock_ticks()
         self._btime = _boot_time(proc_root)
-        self._minor_cache = {}
+        self._minor_cache, self._folders = {}, {}   # per snapshot: GPU minors by (root, path); device folders read
         self._devs_of = {}       # vmid -> dev_minors of its /dev, read once
         self.shm_prefixes = None  # (prefix, stack) pairs: read /dev/shm for residue (gpu_status); None: not read
         self.shm_dir = "/dev/shm"
+        self.node_root = "/"      # the root this host's shm_dir is walked from (a container's: /proc/INIT/root)
         self.shm_since = None     # epoch: residue must be older than this too (a release's start)
+        self.deadline = None      # monotonic, set by the releaser: reads through another root and MPS asks end by it
         self._unknown_minors = set()
         self.rank_deaths = {}   # set by the releaser: {index: [{"pid", "mib", "survivors"}]} seen this run
         self.generation = None  # NVML's generation when the GPUs were listed
+        self.mps_silent = {}      # control daemon pid -> how it did not answer in time: not asked again
 
     # -- setup
     def start(self):
@@ -290,11 +295,12 @@ class Engine(object):
         """This process and its ancestors; pid 1 stays visible (reported, never signalled)."""
         return set([self.self_pid] + [p for p in procscan.ancestors(self.self_pid, self.proc_root) if p != 1])
 
-    def scan(self):
-        """Scan /proc, leaving out this process and its children (its ancestors are scanned, never signalled)."""
+    def scan(self, places=None):
+        """Scan /proc, leaving out this process and its children (its ancestors are scanned, never signalled);
+        with places (shm_places), the shared-memory files each process uses there too."""
         skip = set([self.self_pid])
-        result = procscan.scan(self.proc_root, self.devices, skip, cgroups=self.view == "node",
-                               shm=self.shm_prefixes is not None)
+        devs = None if places is None else set(p["dev"] for p in places.values() if p["dev"] is not None)
+        result = procscan.scan(self.proc_root, self.devices, skip, cgroups=self.view == "node", shm=devs)
         cache = {}
         for pid in list(result.entries):
             if procscan.is_descendant(pid, self.self_pid, self.proc_root, cache):
@@ -414,7 +420,7 @@ class Engine(object):
     def _minor(self, path, root):
         key = (root, path)
         if key not in self._minor_cache:
-            self._minor_cache[key] = procscan.gpu_minor(path, self.devices, root)
+            self._minor_cache[key] = procscan.gpu_minor(path, self.devices, root, self._folders, self.read_timeout())
         return self._minor_cache[key]
 
     def _nvml_status(self, pid, records, own_tree):
@@ -470,13 +476,14 @@ class Engine(object):
         /proc is read, so a process that starts in between is not taken for a
         contradiction of NVML.
         """
-        self._minor_cache = {}
+        self._minor_cache, self._folders = {}, {}
         views = self._nvml_views()
         # GPUs described by NVML but whose calls failed are unknown too (their minor is known)
         self._unknown_minors = set(g["minor"] for g in self.gpus
                                    if g.get("minor") is not None and views[g["index"]]["procs"] is None)
         started = time.time()
-        scan = self.scan()
+        places = self.shm_places() if self.shm_prefixes is not None else None
+        scan = self.scan(places)
         own_tree = self.own_tree_skip()
         minor_index = self.minor_to_index()
         records = dict((pid, self.details(entry, minor_index, scan)) for pid, entry in scan.entries.items())
@@ -499,6 +506,7 @@ class Engine(object):
                     if proc.get("mps"):
                         records[proc["pid"]]["mps_client_on"].append(view_index)
                         records[proc["pid"]]["mps_role"] = records[proc["pid"]]["mps_role"] or "client"
+        mps_servers = self._mps_servers(records)
         orphans, stale = pinning.pin(holders, views, slack_mib=self.threshold_mib)
         for record in holders:
             record["unattributed"] = not record["gpus"] and not record["unknown_gpus"]
@@ -538,34 +546,100 @@ class Engine(object):
         report.nvml_stale, report.linked = stale, linked
         report.conf_vmids = None if confs is None else sorted(confs, key=int)   # the node's container configs
         report.unknown_gpus = self._unknown(holders)
+        report.mps_servers = mps_servers
+        report.mps_nvml_unread = dict((i, self.nvml.mps_unread.get(i) or v["error"]) for i, v in views.items()
+                                      if v["procs"] is None or i in self.nvml.mps_unread)
         report.unreadable = self.unreadable(scan, gpu_reports)
-        if self.shm_prefixes is not None:
-            since = min(started, self.shm_since) if self.shm_since else started
-            report.shm_residue, report.shm_residue_by_container, report.shm_dirs = self._shm_residue(scan, since)
+        if places is not None:
+            self._shm_report(report, places, scan, min(started, self.shm_since) if self.shm_since else started)
         report.diagnosis = device_findings + diagnose(report)
         return report
 
-    def _shm_residue(self, scan, started):
-        """(residue in this host's /dev/shm, {vmid: residue in its /dev/shm} from the node, else None, and
-        {vmid or None: the folder as read from here})."""
-        used = {}
-        for pid, paths in scan.shm_paths.items():
-            where = node.container_of_pid(pid, self.proc_root, scan) if self.view == "node" else node.HOST
-            used.setdefault(where, set()).update(n for n in (shm.used_name(p) for p in paths) if n)
+    def read_timeout(self):
+        """The wait for one read through another root: the reader's, and never past the deadline."""
+        if self.deadline is None:
+            return procscan.READ_TIMEOUT_S
+        return max(0.05, min(procscan.READ_TIMEOUT_S, self.deadline - time.monotonic()))
 
-        unknown = used.get(None, set())   # a process whose container cannot be read: its names are used everywhere
+    def _mps_servers(self, records):
+        """With an MPS server among the processes, what the control daemons say of its clients (mps.read_servers,
+        each ask bounded by the deadline); the records they list as clients get mps_role client."""
+        servers = [r for r in records.values() if r["mps_role"] == "server"]
+        found = mps.read_servers(servers, list(records.values()), self.proc_root, self.view == "node",
+                                 self.deadline, self.mps_silent)
+        for entry in found.values():
+            for pid in entry["clients"] or ():
+                records[pid]["mps_role"] = records[pid]["mps_role"] or "client"
+        return found
 
-        def read(shm_dir, where):
-            return shm.residue(shm.list_dir(shm_dir), used.get(where, set()) | unknown, started, self.shm_dir,
-                               self.shm_prefixes)
-        here = read(self.shm_dir, node.HOST)
+    def shm_places(self):
+        """{None: this host's /dev/shm, vmid: each running container's (from a node), through its init's root}, each
+        read by the bounded reader one part at a time, never through a link (_read_place)."""
+        parts = shm.folder_parts(self.shm_dir)
+        spots = [(None, self.node_root, "self")]
+        if self.view == "node":
+            spots += [(vmid, "%s/%d/root" % (self.proc_root, init), init)
+                      for vmid, init in sorted(node.container_inits(self.proc_root).items(), key=lambda i: int(i[0]))]
+        return dict((key, self._read_place(root, parts, procscan.namespace_inode(ns_of, "mnt", self.proc_root)))
+                    for key, root, ns_of in spots)
+
+    def _read_place(self, root, parts, mnt):
+        """One /dev/shm folder: {path, label, root, parts, mnt, dev, entries (None: not read), why (not read)}."""
+        label = root.rstrip("/") + "/" + "/".join(parts)
+        place = {"path": self.shm_dir, "label": label, "root": root, "parts": parts, "mnt": mnt, "dev": None,
+                 "ino": None, "entries": None, "why": None}
+        timeout = self.read_timeout()
+        try:
+            place.update(procscan.list_folder(root, parts, timeout))
+        except procscan.ReadBlocked:
+            place["why"] = "%s did not answer within %gs (a hung mount?): not read, nothing in it is removed" % (
+                label, timeout)
+        except OSError as exc:
+            if exc.errno == errno.ENOENT:
+                place["entries"] = []
+            elif exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                place["why"] = ("%s: a part of %s is a symbolic link or no folder (never followed): not read, nothing "
+                                "in it is removed" % (label, self.shm_dir))
+            else:
+                place["why"] = "%s cannot be read (%s): nothing in it is removed" % (label, exc.strerror or exc)
+        return place
+
+    def _shm_key(self, pid, scan):
+        """The place of a process's own /dev/shm: None (this host's), its container's vmid, or shm.UNKNOWN."""
         if self.view != "node":
-            return here, None, {None: self.shm_dir}
-        dirs = dict((vmid, "%s/%d/root%s" % (self.proc_root, init, self.shm_dir))
-                    for vmid, init in node.container_inits(self.proc_root, scan).items())
-        by_container = dict((vmid, read(dirs[vmid], vmid)) for vmid in sorted(dirs, key=int))
-        dirs[None] = self.shm_dir
-        return here, by_container, dirs
+            return None
+        where = node.container_of_pid(pid, self.proc_root, scan)
+        return None if where == node.HOST else (shm.UNKNOWN if where is None else where)
+
+    def shm_users(self, scan):
+        """(files some process maps, {place: names its processes' fds and maps name}, [processes not read]) of a
+        scan with shm: the evidence _shm.judge weighs."""
+        used = set()
+        for files in scan.shm_files.values():
+            used.update(files)
+        names = {}
+        for pid, paths in scan.shm_paths.items():
+            names.setdefault(self._shm_key(pid, scan), set()).update(n for n in (shm.used_name(p) for p in paths) if n)
+        why = dict((b["pid"], "its maps read %s" % ("was cut" if b.get("reason") == "truncated" else "blocked"))
+                   for b in scan.blocked)
+        unreadable = [{"pid": pid, "key": self._shm_key(pid, scan), "reason": why.get(pid),
+                       "mnt": procscan.namespace_inode(pid, "mnt", self.proc_root)} for pid in scan.unreadable]
+        return used, names, unreadable
+
+    def _shm_report(self, report, places, scan, since):
+        """The report's residue by place (shm_residue: this host's; shm_residue_by_container from a node) and the
+        folders skipped, as _shm.judge weighs the places and their users."""
+        used, names, unreadable = self.shm_users(scan)
+        judged = shm.judge(places, used, names, unreadable, since, self.shm_prefixes)
+        report.shm_places, report.shm_judged = places, judged
+        public = dict((key, [dict((k, e[k]) for k in ("path", "bytes", "owner")) for e in verdict["residue"]])
+                      for key, verdict in judged.items())
+        report.shm_residue = public[None]
+        if self.view == "node":
+            report.shm_residue_by_container = dict((k, v) for k, v in public.items() if k is not None)
+        report.shm_skipped = [{"vmid": None if key is None else int(key), "path": self.shm_dir, "why": verdict["skipped"]}
+                              for key, verdict in sorted(judged.items(), key=lambda i: shm.place_order(i[0]))
+                              if verdict["skipped"]]
 
     def _container_devs(self, records):
         """{vmid: dev_minors of its /dev} of each container with a process read here, through its lowest pid's root
@@ -577,8 +651,15 @@ class Engine(object):
                 first[vmid] = record["pid"]
         for vmid, pid in first.items():
             if vmid not in self._devs_of:      # once per task: a running container's /dev does not move
-                self._devs_of[vmid] = node.dev_minors("%s/%d/root/dev" % (self.proc_root, pid))
+                self._devs_of[vmid] = self._read_devs("%s/%d/root" % (self.proc_root, pid))
         return dict((vmid, self._devs_of[vmid]) for vmid in first)
+
+    def _read_devs(self, root):
+        """node.dev_minors of /dev under root (a container's), read bounded and never through a link; None unread."""
+        try:
+            return node.dev_minors(procscan.list_folder(root, ["dev"], self.read_timeout())["entries"])
+        except OSError:
+            return None
 
     def _unknown(self, holders):
         """GPUs NVML cannot describe, by minor: those its calls fail on, and nodes holders map that it does not list."""
@@ -679,9 +760,11 @@ class Report(object):
         self.nvml_stale, self.linked, self.unknown_gpus = [], [], []
         self.protected_holders = []
         self.unreadable = []
-        self.shm_residue = self.shm_residue_by_container = None
-        self.shm_dirs = {}
+        self.shm_residue = self.shm_residue_by_container = self.shm_skipped = None
+        self.shm_places, self.shm_judged = {}, {}
         self.conf_vmids = None   # node view: the vmids with a config on this node (None: unread, or not a node)
+        self.mps_servers = {}    # server pid -> what its control daemon says of its clients (mps.read_servers)
+        self.mps_nvml_unread = {}  # GPU index -> why NVML's MPS client list could not be read there
 
     @property
     def all_free(self):
@@ -735,6 +818,8 @@ class Report(object):
             out["shm_residue"] = self.shm_residue
         if self.shm_residue_by_container is not None:
             out["shm_residue_by_container"] = self.shm_residue_by_container
+        if self.shm_skipped is not None:
+            out["shm_skipped"] = self.shm_skipped
         return out
 
 
@@ -813,7 +898,28 @@ def _mps_lines(report):
             "holds a share of its own; a client is stopped by terminate_client through the MPS control daemon, then "
             "SIGTERM and SIGKILL; the server only with all of its clients; the control daemon never"
             % (", ".join("pid %d (%s)" % (r["pid"], shares(r)) for r in servers) or "none seen",
-               ", ".join("pid %d (%s)" % (r["pid"], shares(r)) for r in clients) or "none")]
+               ", ".join("pid %d (%s)" % (r["pid"], shares(r)) for r in clients) or "none")] + [
+        _mps_server_line(report, r["pid"]) for r in servers]
+
+
+def _mps_server_line(report, pid):
+    """Who an MPS server serves, as its control daemon lists them, or why that is not known."""
+    entry = report.mps_servers.get(pid) or {"clients": None, "why": "its control daemons were not asked", "unseen": []}
+    unread = report.mps_nvml_unread
+    nvml = ("NVML lists no MPS client on GPU %s (%s)" % (", ".join(str(i) for i in sorted(unread)), "; ".join(
+        sorted(set(str(w) for w in unread.values())))) if unread else "NVML's MPS client list names every MPS client")
+    if entry["unseen"]:
+        unseen = ", ".join(str(p) for p in entry["unseen"])
+        return ("MPS server pid %d: control daemon pid %d lists clients %s (pids as it sees them) that are not seen here: "
+                "it is never signalled while they may live" % (pid, entry["control"]["pid"], unseen))
+    if entry["clients"] is not None:
+        return "MPS server pid %d serves %s, as control daemon pid %d lists them" % (
+            pid, ", ".join("pid %d" % p for p in entry["clients"]) or "no client", entry["control"]["pid"])
+    if unread:
+        return ("MPS server pid %d: its clients cannot be known (%s; %s): it is never signalled; end its clients' "
+                "work, then stop MPS through its control daemon (quit) by hand" % (pid, entry["why"], nvml))
+    return ("MPS server pid %d: its control daemon could not tell its clients (%s); %s, and those are its clients here, "
+            "signalled without terminate_client" % (pid, entry["why"], nvml))
 
 
 def diagnose(report):
@@ -935,6 +1041,9 @@ def diagnose(report):
     for vmid, found in places:
         if found:
             lines.append(shm_line(vmid, found))
+    for skipped in report.shm_skipped or ():
+        where = "container %d: " % skipped["vmid"] if skipped["vmid"] else ""
+        lines.append("%s/dev/shm was not judged: %s" % (where, skipped["why"]))
     return lines
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
@@ -88,10 +89,19 @@ def find_controls(proc_root="/proc", node_view=False):
     return sorted(found, key=lambda c: c["pid"])
 
 
-def ask(control, command, timeout=ASK_TIMEOUT_S):
-    """(ok, text) of one command to a control daemon."""
+def _bound(timeout, deadline):
+    return timeout if deadline is None else min(timeout, deadline - time.monotonic())
+
+
+def _asked(control, command, timeout=ASK_TIMEOUT_S, deadline=None):
+    """(state, text) of one command to a control daemon: state ok, failed or timeout. It is given timeout seconds,
+    never past deadline (a time.monotonic() value); with no time left it is not asked (failed, and the text says so)."""
+    bound = _bound(timeout, deadline)
+    if bound <= 0:
+        return "failed", "control daemon pid %d was not asked %r: no time was left before the overall timeout" % (
+            control["pid"], command)
     if control["binary"] is None:
-        return False, "%s not found (%s)" % (CONTROL, ", ".join(BIN_DIRS))
+        return "failed", "%s not found (%s)" % (CONTROL, ", ".join(BIN_DIRS))
     pipe = control["env"].get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR
     settings = {"CUDA_MPS_PIPE_DIRECTORY": pipe}
     if control["env"].get("CUDA_MPS_LOG_DIRECTORY"):
@@ -102,26 +112,104 @@ def ask(control, command, timeout=ASK_TIMEOUT_S):
         argv = ["lxc-attach", "-n", str(control["vmid"]), "--clear-env", "--set-var", "PATH=" + CONTAINER_PATH] + [
             a for key, value in sorted(settings.items()) for a in ("--set-var", "%s=%s" % (key, value))] + ["--"] + argv
     try:
-        returncode, out = helperproc.run_bounded(argv, timeout, env=env)
+        returncode, out = helperproc.run_bounded(argv, bound, env=env)
     except subprocess.TimeoutExpired:
-        return False, "%s did not answer %r within %ss" % (CONTROL, command, timeout)
+        return "timeout", "control daemon pid %d did not answer %r within %.1fs" % (control["pid"], command, bound)
     except OSError as exc:
-        return False, "%s: %s" % (control["binary"], exc.strerror or exc)
-    text = " ".join(out.split())
-    return returncode == 0, text or "no output"
+        return "failed", "%s: %s" % (control["binary"], exc.strerror or exc)
+    return ("ok" if returncode == 0 else "failed"), " ".join(out.split())
+
+
+def ask(control, command, timeout=ASK_TIMEOUT_S, deadline=None):
+    """(ok, text) of one command to a control daemon, within timeout and never past deadline (see _asked)."""
+    state, text = _asked(control, command, timeout, deadline)
+    return state == "ok", text or "no output"
 
 
 def _pids(text):
-    return [int(word) for word in text.split() if word.isdigit()]
+    """The pids of an answer (one a line), or None when it has anything else: an answer that is not a list."""
+    words = text.split()
+    return [int(word) for word in words] if all(word.isdigit() for word in words) else None
 
 
-def servers_and_clients(control):
-    """{server pid: [client pids]} as the daemon lists them (get_server_list, get_client_list)."""
-    ok, text = ask(control, "get_server_list")
-    if not ok:
+def listing(control, deadline=None, silent=None):
+    """What one control daemon says of its servers, pids as it sees them: {"control", "servers": {server: [clients],
+    or None when its client list could not be read}, "why": {server: why}, "error": why the server list could not
+    be read, or None}. Each ask is bounded by the time left to deadline. silent ({daemon pid: why}), kept by the
+    caller across reads, names the daemons that did not answer in time: they are not asked again."""
+    out = {"control": control, "servers": {}, "why": {}, "error": None}
+    state, text = _read(control, "get_server_list", deadline, silent)
+    servers = _pids(text) if state == "ok" else None
+    if servers is None:
+        out["error"] = text if state != "ok" else "its server list is no list of pids: %r" % text[:80]
+        return out
+    for server in servers:
+        state, text = _read(control, "get_client_list %d" % server, deadline, silent)
+        clients = _pids(text) if state == "ok" else None
+        out["servers"][server] = clients
+        if clients is None:
+            out["why"][server] = text if state != "ok" else "its client list is no list of pids: %r" % text[:80]
+    return out
+
+
+def _read(control, command, deadline, silent):
+    """_asked, unless the daemon did not answer earlier (silent): then it is not asked again."""
+    if silent is not None and control["pid"] in silent:
+        return "failed", "%s, earlier in this task: not asked again" % silent[control["pid"]]
+    state, text = _asked(control, command, deadline=deadline)
+    if state == "timeout" and silent is not None:
+        silent[control["pid"]] = text
+    if state != "ok" and not text.startswith("control daemon pid"):
+        text = "control daemon pid %d: %s: %s" % (control["pid"], command, text or "no output")
+    return state, text
+
+
+def seen_as(record, control):
+    """The pid by which control's daemon knows record's process, or None: a daemon of this host lists our pids; one
+    in a container, that container's (its records carry container and container_pid)."""
+    if control.get("vmid") is None:
+        return record["pid"]
+    where = record.get("container")
+    if where in (None, node.HOST, node.UNATTRIBUTED) or node.vmid_key(where) != node.vmid_key(control["vmid"]):
+        return None
+    return record.get("container_pid")
+
+
+def read_servers(servers, records, proc_root="/proc", node_view=False, deadline=None, silent=None):
+    """Evidence on each MPS server record, read from the control daemons (each ask bounded by deadline): {server
+    pid: {"clients": the pids of the records it serves, or None when they cannot be known, "why": why not, "unseen":
+    the clients its daemon lists that no record here has and that may live, "control": the daemon that lists it,
+    "server_as" and "clients_as" ({pid: pid as that daemon sees it})}}. {} when there is no server."""
+    if not servers:
         return {}
-    out = {}
-    for server in _pids(text):
-        ok, clients = ask(control, "get_client_list %d" % server)
-        out[server] = _pids(clients) if ok else []
+    listings = [listing(c, deadline, silent) for c in find_controls(proc_root, node_view)]
+    return dict((s["pid"], _evidence(s, records, listings, proc_root)) for s in servers)
+
+
+def _evidence(server, records, listings, proc_root):
+    failed = []
+    for entry in listings:
+        listed = seen_as(server, entry["control"])
+        if listed is not None and listed in entry["servers"]:
+            return _served(entry, listed, records, proc_root)
+        if listed is not None and entry["error"]:
+            failed.append(entry["error"])
+    why = "; ".join(failed) or "no MPS control daemon lists it (%d found)" % len(listings)
+    return {"clients": None, "why": why, "unseen": [], "control": None, "server_as": None, "clients_as": {}}
+
+
+def _served(entry, listed, records, proc_root):
+    """The evidence of a server that entry's daemon lists as listed: its clients, mapped to the records here."""
+    control = entry["control"]
+    out = {"clients": None, "why": entry["why"].get(listed), "unseen": [], "control": control, "server_as": listed,
+           "clients_as": {}}
+    if entry["servers"][listed] is None:
+        return out
+    by_seen = dict((seen_as(r, control), r["pid"]) for r in records)
+    for pid in entry["servers"][listed]:
+        if by_seen.get(pid) is not None:
+            out["clients_as"][by_seen[pid]] = pid
+        elif control.get("vmid") is not None or os.path.exists("%s/%d" % (proc_root, pid)):
+            out["unseen"].append(pid)   # gone only where its pid can be looked up: this host's daemon's
+    out["clients"] = sorted(out["clients_as"])
     return out

@@ -1,6 +1,6 @@
 # Copyright (c) 2026 gpuops
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The Proxmox node's view: containers of processes, container configs, scope, container locks (private helper).
+"""The Proxmox node's view: containers of processes, container configs, scope (private helper).
 
 On a Proxmox VE node every container process is a node process. Its container is the
 first `lxc/VMID/ns` in its cgroup path (pve-container sets lxc.cgroup.dir.container =
@@ -10,9 +10,6 @@ No AnsibleModule here.
 
 from __future__ import annotations
 
-import ctypes
-import errno
-import fcntl
 import os
 import re
 import stat as stat_mod
@@ -213,24 +210,17 @@ def resolve_devices(parsed, dev_root="/"):
     return dict(parsed, devices=devices, minors=minors)
 
 
-def dev_minors(dev_dir):
-    """{minor: [names]} of the GPU character devices (195:N, N < 254) directly in dev_dir, by st_rdev whatever
-    their names. None when dev_dir cannot be read or holds /dev/nvidiaN stand-ins that are not devices (the lab)."""
-    try:
-        names = sorted(os.listdir(dev_dir))
-    except OSError:
-        return None
+def dev_minors(entries):
+    """{minor: [names]} of the GPU character devices (195:N, N < 254) among a folder's entries (procscan.list_folder:
+    a container's /dev, read bounded), by st_rdev whatever their names. None when they hold /dev/nvidiaN stand-ins
+    that are not devices (the lab)."""
     out = {}
-    for name in names:
-        try:
-            st = os.lstat(os.path.join(dev_dir, name))
-        except OSError:
-            continue
-        if stat_mod.S_ISCHR(st.st_mode):
-            minor = procscan.rdev_gpu_minor(st)
+    for entry in sorted(entries, key=lambda e: e["name"]):
+        if stat_mod.S_ISCHR(entry["mode"]):
+            minor = procscan.rdev_minor(entry["rdev"])
             if minor is not None:
-                out.setdefault(minor, []).append(name)
-        elif re.match(r"^nvidia\d+$", name) and stat_mod.S_ISREG(st.st_mode):
+                out.setdefault(minor, []).append(entry["name"])
+        elif re.match(r"^nvidia\d+$", entry["name"]) and stat_mod.S_ISREG(entry["mode"]):
             return None
     return out
 
@@ -443,105 +433,6 @@ def owner_of(pid, proc_root="/proc"):
     """(uid, gid) of a process on the node: container root is 100000 in an unprivileged container."""
     st = os.stat("%s/%d" % (proc_root, pid))
     return st.st_uid, st.st_gid
-
-
-def as_fs_owner(uid, gid, call):
-    """call() with this thread's filesystem uid and gid set to uid and gid, then set back.
-
-    A filesystem mounted in an unprivileged container's user namespace (its /run tmpfs) refuses to create
-    a file for an owner it cannot map, as the node's root is: EOVERFLOW. The container's root can. The
-    filesystem ids are per thread (setfsuid is not broadcast to other threads), so nothing else changes.
-    """
-    libc = ctypes.CDLL(None, use_errno=True)
-    old_gid = libc.setfsgid(gid)
-    old_uid = libc.setfsuid(uid)
-    try:
-        return call()
-    finally:
-        libc.setfsuid(old_uid)
-        libc.setfsgid(old_gid)
-
-
-def _create(uid, gid, call):
-    """call(), or on EOVERFLOW (see as_fs_owner) call() as uid/gid."""
-    try:
-        return call()
-    except OSError as exc:
-        if exc.errno != errno.EOVERFLOW:
-            raise
-    return as_fs_owner(uid, gid, call)
-
-
-class RootLockDir(object):
-    """A lock directory inside another root (a container's, through /proc/INIT/root), owned by that root's root.
-
-    Walked one component at a time with O_NOFOLLOW, so a link the container planted cannot send
-    the node's root elsewhere.
-    """
-
-    def __init__(self, root, parts, uid, gid):
-        self.root, self.parts, self.uid, self.gid = root, list(parts), uid, gid
-        self.label = root.rstrip("/") + "/" + "/".join(self.parts)
-
-    def open(self):
-        flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-        fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
-        try:
-            for i, part in enumerate(self.parts):
-                last = i == len(self.parts) - 1
-                try:
-                    _create(self.uid, self.gid, lambda: os.mkdir(part, 0o700 if last else 0o755, dir_fd=fd))
-                    os.chown(part, self.uid, self.gid, dir_fd=fd, follow_symlinks=False)
-                except FileExistsError:
-                    pass
-                try:
-                    child = os.open(part, flags, dir_fd=fd)
-                except OSError as exc:
-                    if exc.errno in (errno.ELOOP, errno.ENOTDIR):
-                        raise LockDirRefused("refusing the lock directory %s: %s is not a directory (or is a link)"
-                                             % (self.label, part))
-                    raise
-                os.close(fd)
-                fd = child
-            st = os.fstat(fd)
-            if st.st_uid != self.uid or stat_mod.S_IMODE(st.st_mode) & 0o077:
-                raise LockDirRefused("refusing the lock directory %s: owner uid %d mode %04o, expected uid %d mode 0700"
-                                     % (self.label, st.st_uid, stat_mod.S_IMODE(st.st_mode), self.uid))
-            return fd
-        except BaseException:
-            os.close(fd)
-            raise
-
-    def open_file(self, dir_fd, name, keep_owner=()):
-        """Open (create) name in the directory dir_fd, owned by this root's root.
-
-        A file whose (st_dev, st_ino) is in keep_owner (one the caller holds already: the node's own
-        lock file, reached through a container that shares the node's /run/lock) keeps its owner.
-        """
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-        fd = _create(self.uid, self.gid, lambda: os.open(name, flags, 0o600, dir_fd=dir_fd))
-        try:
-            st = os.fstat(fd)
-            if (st.st_dev, st.st_ino) not in keep_owner:
-                os.fchown(fd, self.uid, self.gid)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
-
-
-class LockDirRefused(Exception):
-    pass
-
-
-def try_flock(fd):
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return True
-    except OSError as exc:
-        if exc.errno not in (errno.EAGAIN, errno.EACCES):
-            raise
-        return False
 
 
 def processes_by_container(proc_root="/proc", table=None):

@@ -294,6 +294,7 @@ class Nvml(object):
         self.hangs = 0
         self.wedged = None       # message once NVML is considered wedged
         self.failed = {}         # index -> NvmlFailure (lost or hung GPU)
+        self.mps_unread = {}     # index -> why NVML's MPS client list could not be read at the last processes()
         self.handles = {}
         self.initialized = False
         self.v2_missing = False  # NVML without the v2 memory call
@@ -527,19 +528,23 @@ class Nvml(object):
         """Compute, graphics and MPS client processes NVML names for one GPU: [{pid, used_mib}], one per pid; an
         MPS client (NVML's MPS list, GPU_FACTS row 26) has "mps": True.
 
-        The graphics and MPS lists are optional (a driver or an NVML without them, or MPS not running).
+        The graphics and MPS lists are optional (a driver or an NVML without them, or MPS not running); why the MPS
+        list could not be read is kept in mps_unread[index] (no MPS client is known from NVML there).
         """
         handle = self.handle(index)
         found = {}
+        self.mps_unread.pop(index, None)
         for label in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
                       "nvmlDeviceGetMPSComputeRunningProcesses"):
+            mps = label == "nvmlDeviceGetMPSComputeRunningProcesses"
             try:
                 procs = self._gpu_call(index, label, label, handle)
             except NvmlFailure as exc:
                 if exc.kind in ("hang", "lost") or label.startswith("nvmlDeviceGetCompute"):
                     raise
+                if mps:
+                    self.mps_unread[index] = exc.message
                 continue
-            mps = label == "nvmlDeviceGetMPSComputeRunningProcesses"
             for proc in procs or ():
                 used = getattr(proc, "usedGpuMemory", None)
                 mib = used // MIB if isinstance(used, int) else None

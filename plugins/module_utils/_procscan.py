@@ -39,13 +39,15 @@ CAPS = {"cmdline": ARGS_CAP, "environ": ARGS_CAP, "maps": MAPS_CAP, "tcp": MAPS_
 # the kernel can hold that lock, or make readers queue behind it, forever, and no signal ends the read.
 MM_LOCK_READ_RE = re.compile(r"/(\d+)/(?:task/\d+/)?(?:maps|cmdline|environ)$")
 _HEADER = struct.Struct("<IiIII")  # request id, errno (0: read), size (bytes, or fd entries), length of the data, 1: cut
-WHOLE, KEEP_LINES, FD_TARGETS = "R", "M", "F"
+WHOLE, KEEP_LINES, FD_TARGETS, LISTING = "R", "M", "F", "S"
 BATCH = 128   # processes per batch of a scan: its requests stay well below a pipe's 64 KiB
 
 # Runs in the reader process: "ID OP KEEP CAP PATH" per line on stdin (KEEP: markers joined by NUL, in hex, or -; CAP:
 # the bytes read at most), a header and the data (or the errno) per request on stdout, the header saying whether the
 # file had more than CAP. R: the file (its first CAP bytes); M: its lines that hold a marker;
-# F: the targets of an fd directory's links that start with a marker or socket:[, NUL-separated. An OP ending
+# F: the targets of an fd directory's links that start with a marker or socket:[, NUL-separated; S: the folder reached
+# from PATH through the names in KEEP, each opened with O_NOFOLLOW (a link on the way is ELOOP or ENOTDIR, never
+# followed), as "DEV INO" and one "MODE DEV INO SIZE MTIME_NS RDEV NAME" per entry, NUL-separated. An OP ending
 # in "." ends a batch, whose answers are flushed then; a read that has taken over 50 ms has the answers before
 # it flushed by a watchdog thread, so a missing answer is always the one being read.
 READER_SOURCE = r"""
@@ -90,6 +92,26 @@ def fd_targets(path, keep):
         return len(names), b"\0".join(kept)
     finally:
         os.close(dir_fd)
+def listing(path, parts):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts or ():
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        st = os.fstat(fd)
+        names = os.listdir(fd)
+        rows = [b"%d %d" % (st.st_dev, st.st_ino)]
+        for name in names:
+            try:
+                e = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            except OSError:
+                continue
+            rows.append(b"%d %d %d %d %d %d " % (e.st_mode, e.st_dev, e.st_ino, e.st_size, e.st_mtime_ns, e.st_rdev)
+                        + os.fsencode(name))
+        return len(names), b"\0".join(rows)
+    finally:
+        os.close(fd)
 keeps = {b"-": None}
 for line in sys.stdin.buffer:
     request, op, keep, cap, path = line[:-1].split(b" ", 4)
@@ -101,6 +123,8 @@ for line in sys.stdin.buffer:
     try:
         if op[:1] == b"F":
             size, data = fd_targets(path, keep)
+        elif op[:1] == b"S":
+            size, data = listing(path, keep)
         else:
             data, cut = whole(path, int(cap))
             size = len(data)
@@ -228,8 +252,9 @@ class BoundedReader(object):
             raise answer  # pylint: disable=raising-bad-type
         return answer[1]
 
-    def read_many(self, requests, lane=0):
-        """[(size, data) or the OSError] for each (op, path, keep) request, in order, through one lane."""
+    def read_many(self, requests, lane=0, timeout=None):
+        """[(size, data) or the OSError] for each (op, path, keep) request, in order, through one lane; each answer
+        waited for at most timeout (default: the reader's)."""
         out = [None] * len(requests)
         todo = []
         for index, (dummy, path, dummy2) in enumerate(requests):
@@ -243,7 +268,7 @@ class BoundedReader(object):
             failed_in_a_row = 0
             while todo:
                 try:
-                    answered, blocked = self._ask(lane, [requests[i] for i in todo])
+                    answered, blocked = self._ask(lane, [requests[i] for i in todo], timeout or self.timeout)
                     failure = None
                 except _HelperFailed as exc:
                     answered, blocked, failure = exc.answered, False, exc
@@ -259,7 +284,7 @@ class BoundedReader(object):
                     path = requests[todo[0]][1]
                     key = self._mm_key(path)
                     if key is not None:
-                        self.blocked[key] = blocked_info(key[1], key[0], path, self.timeout)
+                        self.blocked[key] = blocked_info(key[1], key[0], path, timeout or self.timeout)
                     out[todo[0]] = ReadBlocked(path, key[1] if key else None)
                     todo = todo[1:]
         return out
@@ -280,7 +305,7 @@ class BoundedReader(object):
         lane.pos += count
         return data
 
-    def _ask(self, lane, requests):
+    def _ask(self, lane, requests, timeout):
         """(answers of the first requests, in order, True when the next one did not come within timeout).
         An errno answer is an OSError in the list. A helper without every answer is abandoned, whatever
         ended the wait; _HelperFailed (with .answered) when it died or broke its pipe."""
@@ -299,7 +324,7 @@ class BoundedReader(object):
                                          _keep_arg(keep), cap_for(path), path.encode())
                 for n, (op, path, keep) in enumerate(requests)))
             lane.proc.stdin.flush()
-            end = time.monotonic() + self.timeout
+            end = time.monotonic() + timeout
             while len(answered) < len(requests):
                 head = self._exactly(lane, _HEADER.size, end)
                 if head is None:
@@ -312,7 +337,7 @@ class BoundedReader(object):
                     continue  # an answer to an earlier request whose caller gave up: never this one's
                 path = requests[len(answered)][1]
                 answered.append(OSError(code, os.strerror(code), path) if code else (size, Truncated(data) if cut else data))
-                end = time.monotonic() + self.timeout
+                end = time.monotonic() + timeout
         except (OSError, ValueError) as exc:
             failed = _HelperFailed(str(exc))
             failed.answered = answered
@@ -336,6 +361,24 @@ class BoundedReader(object):
 
 
 READER = BoundedReader()
+
+
+def list_folder(root, parts, timeout=None):
+    """The folder reached from root through parts, read by READER (bounded: a hung mount never hangs this process),
+    each part opened with O_NOFOLLOW: {"dev", "ino", "entries": [{name, mode, dev, ino, bytes, mtime, rdev}]}.
+    OSError when it cannot be read (ELOOP or ENOTDIR: a part is a link or no folder, never followed); ReadBlocked
+    when it did not answer within timeout (default: the reader's). root itself is followed (/proc/PID/root)."""
+    answer = READER.read_many([(LISTING, root, tuple(p.encode() for p in parts) or None)], timeout=timeout)[0]
+    if isinstance(answer, OSError):
+        raise answer  # pylint: disable=raising-bad-type
+    rows = answer[1].split(b"\0")
+    dev, ino = (int(v) for v in rows[0].split())
+    entries = []
+    for row in rows[1:]:
+        mode, edev, eino, size, mtime_ns, rdev, name = row.split(b" ", 6)
+        entries.append({"name": os.fsdecode(name), "mode": int(mode), "dev": int(edev), "ino": int(eino),
+                        "bytes": int(size), "mtime": int(mtime_ns) / 1e9, "rdev": int(rdev)})
+    return {"dev": dev, "ino": ino, "entries": sorted(entries, key=lambda e: e["name"])}
 
 
 def blocked_info(pid, proc_root, path, timeout):
@@ -480,25 +523,42 @@ def parse_maps_devices(data, devices):
     return sorted(parse_maps_counts(data, devices))
 
 
-def gpu_minor(path, devices, root="/"):
+def gpu_minor(path, devices, root="/", folders=None, timeout=None):
     """Minor of the GPU behind a /dev/nvidiaN path seen under root, or None for other nodes.
 
-    A character device is identified by st_rdev, anything else (the lab) by its name.
+    A character device is identified by st_rdev, anything else (the lab) by its name. The device's folder is
+    read under root by list_folder (bounded, no link followed on the way, nor the device itself: a link there is
+    known by its name only); folders caches the listings by (root, folder).
     """
     kind = devices.classify(path)
     if not kind or kind[0] != "gpu":
         return None
-    try:
-        st = os.stat(os.path.join(root, devices.strip(path).lstrip("/")))
-    except OSError:
+    folder, name = os.path.split(devices.strip(path))
+    key = (root, folder)
+    listing = None if folders is None else folders.get(key)
+    if listing is None:
+        try:
+            listing = dict((e["name"], e) for e in list_folder(root, [p for p in folder.split("/") if p], timeout)["entries"])
+        except OSError:
+            listing = {}
+        if folders is not None:
+            folders[key] = listing
+    entry = listing.get(name)
+    if entry is None or not stat_mod.S_ISCHR(entry["mode"]):
         return kind[1]
-    return rdev_gpu_minor(st) if stat_mod.S_ISCHR(st.st_mode) else kind[1]
+    return rdev_minor(entry["rdev"])
 
 
 def rdev_gpu_minor(st):
     """N of a character device's st_rdev 195:N when it is a GPU (N < 254), else None."""
-    major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
-    return minor if major == NVIDIA_MAJOR and minor < 254 else None
+    return rdev_minor(st.st_rdev)
+
+
+def rdev_minor(rdev):
+    """N of a device number 195:N when it is a GPU (N < 254), else None."""
+    if os.major(rdev) == NVIDIA_MAJOR and os.minor(rdev) < 254:
+        return os.minor(rdev)
+    return None
 
 
 def parse_tcp_table(text):
@@ -518,9 +578,10 @@ def parse_tcp_table(text):
 
 
 def namespace_inode(pid, kind, proc_root="/proc"):
-    """Inode of /proc/PID/ns/KIND, or None."""
+    """Inode of /proc/PID/ns/KIND (pid may be "self"), or None. It answers while a read of the process's maps
+    blocks (no memory-map lock is taken)."""
     try:
-        return os.stat("%s/%d/ns/%s" % (proc_root, pid, kind)).st_ino
+        return os.stat("%s/%s/ns/%s" % (proc_root, pid, kind)).st_ino
     except OSError:
         return None
 
@@ -579,6 +640,7 @@ class ScanResult(object):
         self.stats = {}          # pid -> parse_stat() of every process read
         self.cgroups = {}        # pid -> cgroup path (None: unreadable), when the scan was asked for them
         self.shm_paths = {}      # pid -> /dev/shm paths it has open or mapped, when the scan was asked for them
+        self.shm_files = {}      # pid -> {(st_dev, st_ino)} of the shared-memory files its maps name (see scan)
 
 
 def _fd_devices(names, devices):
@@ -643,8 +705,10 @@ def scan(proc_root="/proc", devices=None, skip_pids=(), workers=None, cgroups=Fa
     batches, with the bounded wait. For a defunct leader (state Z, more than one thread) it reads one
     live thread's tables instead, since threads share them (GPU_FACTS row 4). On big hosts a few
     threads, each with its own reader process, share the work. Every process's stat (and with
-    cgroups, its cgroup path) is kept in the result for the rest of the snapshot. With shm, the /dev/shm
-    files each process has open or mapped are kept too (shm_paths).
+    cgroups, its cgroup path) is kept in the result for the rest of the snapshot. With shm (True, or the st_dev
+    numbers of the /dev/shm folders read), the files each process has open or mapped there are kept too: the paths
+    (shm_paths) and, from its maps, (st_dev, st_ino) of each file on /dev/shm or on one of those devices, whatever
+    the path it was mapped by (shm_files).
     """
     devices = devices or DeviceNames()
     skip = set(skip_pids)
@@ -671,6 +735,7 @@ def scan(proc_root="/proc", devices=None, skip_pids=(), workers=None, cgroups=Fa
         result.stats.update(part.stats)
         result.cgroups.update(part.cgroups)
         result.shm_paths.update(part.shm_paths)
+        result.shm_files.update(part.shm_files)
     result.zombies.sort(key=lambda z: z["pid"])
     result.unreadable.sort()
     result.blocked.sort(key=lambda b: b["pid"])
@@ -687,7 +752,8 @@ def scan_pids(proc_root, devices, pids):
 def _scan_pids(proc_root, devices, pids, result, lane=0, cgroups=False, shm=False):
     """Each batch: the stats read here (identity, kernel threads left out), then the maps and fd tables
     through one reader lane, then each process decided (and its start time checked again)."""
-    marker = (devices.marker, SHM_MARKER) if shm else devices.marker
+    devs = frozenset() if shm is None or isinstance(shm, bool) else frozenset(shm)
+    marker = (devices.marker, SHM_MARKER) + shm_markers(devs) if shm not in (None, False) else devices.marker
     for first in range(0, len(pids), BATCH):
         batch = []
         for pid in pids[first:first + BATCH]:
@@ -706,7 +772,7 @@ def _scan_pids(proc_root, devices, pids, result, lane=0, cgroups=False, shm=Fals
             requests += [(KEEP_LINES, base + "/maps", marker), (FD_TARGETS, base + "/fd", marker)]
         answers = READER.read_many(requests, lane)
         for n, (pid, stat) in enumerate(batch):
-            _take(proc_root, devices, pid, stat, answers[2 * n], answers[2 * n + 1], result)
+            _take(proc_root, devices, pid, stat, answers[2 * n], answers[2 * n + 1], result, devs)
 
 
 def _fd_read(answer, devices, shm_paths):
@@ -719,7 +785,7 @@ def _fd_read(answer, devices, shm_paths):
     return _fd_devices(targets, devices)
 
 
-def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result):
+def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result, shm_devs=frozenset()):
     """Add pid to result from its maps and fd answers: (size, kept data) or the OSError."""
     if isinstance(maps_answer, ReadBlocked):
         _add_blocked(result, proc_root, devices, pid, "%s/%d/fd" % (proc_root, pid))
@@ -763,17 +829,14 @@ def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result):
         elif maps is None:
             result.unreadable.append(pid)
         # else a user process without mappings (one exiting, say): its open files still count
-    shm_paths = set()
-    if maps and SHM_MARKER in maps:
-        for line in maps.decode("utf-8", "replace").splitlines():
-            parts = line.split(None, 5)
-            if len(parts) == 6 and parts[5].startswith(SHM_DIR):
-                shm_paths.add(parts[5])
+    shm_paths, shm_files = _shm_maps(maps, shm_devs)
     fd_read = _fd_read(fd_answer, devices, shm_paths)
     if fd_read is None:
         return
     if shm_paths:
         result.shm_paths[pid] = shm_paths
+    if shm_files:
+        result.shm_files[pid] = shm_files
     if not fd_read:
         fd_read = ([], [])
         if pid not in result.unreadable:
@@ -794,6 +857,39 @@ def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result):
     entry.defunct_leader = defunct
     entry.via = ["task"] if defunct else ([u"fd"] if fds else []) + ([u"mmap"] if mapped else [])
     result.entries[pid] = entry
+
+
+def shm_markers(devs):
+    """The maps-line markers of files on the devices devs (st_dev numbers): the kernel writes a mapping's device
+    as " MAJOR:MINOR " in hex, two digits at least."""
+    return tuple(b" %02x:%02x " % (os.major(dev), os.minor(dev)) for dev in sorted(devs or ()))
+
+
+def _maps_dev(field):
+    """st_dev of a maps line's MAJOR:MINOR field (hex), or None."""
+    major, sep, minor = field.partition(":")
+    try:
+        return os.makedev(int(major, 16), int(minor, 16)) if sep else None
+    except ValueError:
+        return None
+
+
+def _shm_maps(maps, devs):
+    """(paths under /dev/shm, {(st_dev, st_ino)} of each file mapped there or on one of devs) from kept maps lines."""
+    paths, files = set(), set()
+    if not maps or (SHM_MARKER not in maps and not devs):
+        return paths, files
+    for line in maps.decode("utf-8", "replace").splitlines():
+        parts = line.split(None, 5)
+        if len(parts) < 5 or parts[4] == "0":
+            continue
+        dev = _maps_dev(parts[3])
+        on_shm = len(parts) == 6 and parts[5].startswith(SHM_DIR)
+        if on_shm:
+            paths.add(parts[5])
+        if dev is not None and parts[4].isdigit() and (on_shm or dev in devs):
+            files.add((dev, int(parts[4])))
+    return paths, files
 
 
 def _add_blocked(result, proc_root, devices, pid, fd_dir):

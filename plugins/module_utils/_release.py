@@ -9,11 +9,8 @@ against pid reuse. No AnsibleModule here.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
-import re
 import signal
-import stat as stat_mod
 import subprocess
 import concurrent.futures
 import time
@@ -21,13 +18,16 @@ import time
 from ansible_collections.gpuops.fleet.plugins.module_utils import _blockers as blockers
 from ansible_collections.gpuops.fleet.plugins.module_utils import _hardstop as hardstop
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
+from ansible_collections.gpuops.fleet.plugins.module_utils._locks import (
+    LOCK_DIR, ContainerLocks, GpuLocks, LockDirError, LockTimeout,
+)
 from ansible_collections.gpuops.fleet.plugins.module_utils._hardstop import ReleaseTimeout
 from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
 from ansible_collections.gpuops.fleet.plugins.module_utils._access import read_drm_refcount
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
-from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
+from ansible_collections.gpuops.fleet.plugins.module_utils import _shmclean as shmclean
 from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
 from ansible_collections.gpuops.fleet.plugins.module_utils import _respawn as respawn
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
@@ -61,10 +61,6 @@ HEIR_ROUNDS = 3          # re-reads after the signals, for holders pinned only o
 HEIR_WAIT_S = 0.3        # memory of a reaped holder is back 0.12-0.2 s after SIGKILL (GPU_FACTS row 2)
 SNAPSHOT_TRIES = 3       # reads of the GPUs while NVML is not opened again meanwhile (a new helper)
 NVIDIA_SMI_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/local/nvidia/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
-
-
-class LockTimeout(Exception):
-    pass
 
 
 def find_nvidia_smi(path_env=None):
@@ -144,170 +140,6 @@ def send_guarded(record, sig, proc_root="/proc", use_pidfd=True, recheck=None):
             os.close(pidfd)
 
 
-LOCK_DIR = "/run/lock/gpuops-fleet"
-
-
-class LockDirError(Exception):
-    """The lock directory cannot be trusted (wrong owner or mode, a symlink, not a directory)."""
-
-
-def secure_lock_dir(path):
-    """Create path root-owned 0700 if missing; raise LockDirError if it is not exactly that (never follows a link)."""
-    parent = os.path.dirname(path.rstrip("/")) or "/"
-    if not os.path.isdir(parent):
-        os.makedirs(parent, 0o755)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    st = os.lstat(path)
-    if stat_mod.S_ISLNK(st.st_mode) or not stat_mod.S_ISDIR(st.st_mode):
-        raise LockDirError("refusing the lock directory %s: it is %s, not a directory; remove it"
-                           % (path, "a symbolic link" if stat_mod.S_ISLNK(st.st_mode) else "not a directory"))
-    if st.st_uid != os.geteuid():
-        raise LockDirError("refusing the lock directory %s: it belongs to uid %d, not to uid %d that runs this module"
-                           % (path, st.st_uid, os.geteuid()))
-    if st.st_mode & 0o077:
-        raise LockDirError("refusing the lock directory %s: its mode is %04o, it must be 0700"
-                           % (path, stat_mod.S_IMODE(st.st_mode)))
-
-
-def lock_name(key):
-    return "gpuops-fleet-gpu-%s.lock" % re.sub(r"[^A-Za-z0-9_.-]", "_", str(key))
-
-
-class GpuLocks(object):
-    """Per-GPU flock files under lock_dir, taken in a fixed order (by UUID).
-
-    With `rooted` (a _node.RootLockDir), the directory is another root's (a container's, seen
-    from the node), so that a node-side release and one inside that container exclude each other.
-
-    `held` ({(st_dev, st_ino): path}, shared by every GpuLocks of one release) names the files this
-    release has locked already. A lock file that is one of them (a container whose /run/lock is the
-    node's, two containers sharing one lock directory) is taken once: its second fd is closed, never
-    flocked, since flock on a second open file description of one file conflicts even in one process.
-    """
-
-    def __init__(self, lock_dir=LOCK_DIR, rooted=None, held=None):
-        self.lock_dir = rooted.label if rooted is not None else lock_dir
-        self.rooted = rooted
-        self.dir_fd = None
-        self.fds = []
-        self.waited_s = 0.0
-        self.held = held if held is not None else {}
-        self.taken = []     # identities this object flocked (and put into held)
-        self.aliases = []   # (path, path of the file already held) skipped as the same file
-
-    def path(self, key):
-        return os.path.join(self.lock_dir, lock_name(key))
-
-    def _open(self, key):
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-        try:
-            if self.rooted is not None:
-                return self.rooted.open_file(self.dir_fd, lock_name(key), keep_owner=self.held)
-            return os.open(self.path(key), flags, 0o600)
-        except OSError as exc:
-            if exc.errno == errno.ELOOP:
-                raise LockDirError("refusing the lock file %s: it is a symbolic link" % self.path(key))
-            raise
-
-    def _prepare(self):
-        if self.rooted is None:
-            secure_lock_dir(self.lock_dir)
-            return
-        try:
-            self.dir_fd = self.rooted.open()
-        except node.LockDirRefused as exc:
-            raise LockDirError(str(exc))
-
-    def acquire(self, keys, timeout, clock=time.monotonic):
-        self._prepare()
-        start = clock()
-        end = start + timeout
-        for key in sorted(set(keys)):
-            fd = self._open(key)
-            try:
-                st = os.fstat(fd)
-            except BaseException:
-                os.close(fd)
-                self.release()
-                raise
-            identity = (st.st_dev, st.st_ino)
-            if identity in self.held:  # this very file is locked by this release already (fstat of the open fd)
-                os.close(fd)
-                self.aliases.append((self.path(key), self.held[identity]))
-                continue
-            self.fds.append(fd)
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EAGAIN, errno.EACCES):
-                        raise
-                if clock() >= end:
-                    self.release()
-                    raise LockTimeout("another gpu_release holds the lock on GPU %s (%s) for more than %gs"
-                                      % (key, self.path(key), timeout))
-                time.sleep(0.05)
-            self.held[identity] = self.path(key)
-            self.taken.append(identity)
-        self.waited_s = clock() - start
-
-    def release(self):
-        for identity in self.taken:
-            self.held.pop(identity, None)
-        for fd in self.fds + ([self.dir_fd] if self.dir_fd is not None else []):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        self.fds, self.dir_fd, self.taken = [], None, []
-
-
-class _ContainerLocks(object):
-    """The node's GPU locks, then each scoped container's own (through its init's root), so that a
-    node-side release never races one running inside that container. A container's lock file that is
-    a file already held (the node's, or another scoped container's) is taken once (GpuLocks `held`).
-    Each container's lock stands alone (issue 41): one that cannot be taken (a link or a wrong owner planted
-    there, held past the wait, an error) leaves that container out (`skipped`, {vmid: why}); the others go on."""
-
-    def __init__(self, node_locks, proc_root, scope, keys, timeout):
-        self.all = [node_locks]
-        self.skipped = {}
-        self.waited_s = node_locks.waited_s
-        inits = node.container_inits(proc_root)
-        try:
-            for vmid in sorted(scope.containers, key=int):
-                if inits.get(vmid) is not None:   # not running: nothing in it can release
-                    self._take(vmid, inits[vmid], proc_root, node_locks.held, keys,
-                               max(0.0, timeout - (self.waited_s - node_locks.waited_s)))
-        except BaseException:
-            self.release()
-            raise
-
-    def _take(self, vmid, init, proc_root, held, keys, timeout):
-        started = time.monotonic()
-        locks = None
-        try:
-            uid, gid = node.owner_of(init, proc_root)
-            rooted = node.RootLockDir("%s/%d/root" % (proc_root, init), LOCK_DIR.strip("/").split("/"), uid, gid)
-            locks = GpuLocks(rooted=rooted, held=held)
-            locks.acquire(keys, timeout)
-            self.all.append(locks)
-        except (LockTimeout, LockDirError, OSError) as exc:
-            if locks is not None:
-                locks.release()
-            self.skipped[vmid] = ("container %s: its GPU lock could not be taken (%s); nothing of it was signalled or "
-                                  "stopped" % (vmid, exc))
-        self.waited_s += time.monotonic() - started
-
-    def release(self):
-        for locks in self.all:
-            locks.release()
-
-
 def gpu_summary(report, scope=None):
     """Compact per-GPU state for before/after (on a node with its MiB by container)."""
     out = []
@@ -368,6 +200,7 @@ class Releaser(object):
         self.match = match
         self.protect = protect
         self.deadline = deadline
+        engine.deadline = deadline   # reads through a container's root and MPS asks, in each snapshot, end by it
         self.log = log or (lambda msg: None)
         self.check_mode = check_mode
         self.lock_dir = lock_dir
@@ -418,6 +251,16 @@ class Releaser(object):
         if self.deadline is not None:
             end = min(end, self.deadline)
         return end
+
+    def late_read(self, report):
+        """Why nothing may be signalled after the read of report: the overall timeout was reached during it (an MPS
+        control daemon that did not answer, say), or None."""
+        left = self._left()
+        if left is None or left > 0:
+            return None
+        whys = sorted(set(e["why"] for e in (getattr(report, "mps_servers", None) or {}).values() if e["why"]))
+        return "the overall timeout was reached while the GPUs were read%s; nothing was signalled" % (
+            "" if not whys else " (MPS: %s)" % "; ".join(whys))
 
     def _set_rung(self, rung):
         if RUNGS.index(rung) > RUNGS.index(self.rung):
@@ -922,29 +765,24 @@ class Releaser(object):
             self.plan.append(plan_entry(record, self.targets, decision, self.tolerance_mib))
         return fresh
 
-    def _terminate_mps_clients(self, clients):
-        """terminate_client SERVER CLIENT through the MPS control daemon for each MPS client about to be signalled:
-        its GPU work ends safely; the ladder then ends the process (terminate_client frees nothing, row 28)."""
-        if not clients:
-            return
-        controls = mps.find_controls(self.proc_root, node_view=self.engine.view == "node")
-        served = {}   # (vmid key or None, pid as the daemon sees it) -> (control, server)
-        for control in controls:
-            for server, pids in mps.servers_and_clients(control).items():
-                for pid in pids:
-                    served[(node.vmid_key(control["vmid"]), pid)] = (control, server)
+    def _terminate_mps_clients(self, report, clients):
+        """terminate_client SERVER CLIENT for each MPS client about to be signalled, through the control daemon that
+        lists it in report's evidence (pids as that daemon sees them), each ask bounded by the time left: its GPU
+        work ends safely; the ladder then ends the process (terminate_client frees nothing, row 28)."""
+        evidence = getattr(report, "mps_servers", None) or {}
+        served = {}   # client pid -> (its server's evidence, the client's pid as its daemon sees it)
+        for entry in evidence.values():
+            for pid, seen in entry["clients_as"].items():
+                served[pid] = (entry, seen)
         for record in clients:
-            vmid = record.get("container")
-            in_ct = vmid not in (None, node.HOST, node.UNATTRIBUTED) and record.get("container_pid")
-            found = served.get((None, record["pid"])) or (
-                served.get((node.vmid_key(vmid), record["container_pid"])) if in_ct else None)
-            if found is None:
-                self._record(record, "terminate_client", "skipped: no MPS control daemon lists it as a client (%d "
-                             "daemons found); the ladder alone follows" % len(controls))
+            if record["pid"] not in served:
+                self._record(record, "terminate_client", "skipped: no MPS control daemon lists it as a client (%s); "
+                             "the ladder alone follows" % ("; ".join(sorted(set(
+                                 e["why"] for e in evidence.values() if e["why"]))) or "none asked"))
                 continue
-            control, server = found
-            client = record["pid"] if control["vmid"] is None else record["container_pid"]
-            ok, text = mps.ask(control, "terminate_client %d %d" % (server, client))
+            entry, client = served[record["pid"]]
+            control, server = entry["control"], entry["server_as"]
+            ok, text = mps.ask(control, "terminate_client %d %d" % (server, client), deadline=self.deadline)
             self._record(record, "terminate_client", "%s: server %d, control daemon pid %d%s: %s"
                          % ("done" if ok else "failed", server, control["pid"],
                             "" if control["vmid"] is None else " (in container %s, pids as seen there)" % control["vmid"], text))
@@ -962,7 +800,7 @@ class Releaser(object):
                                           getattr(getattr(report, "scan", None), "stats", None))
         watched = list(self.to_signal)
         outcome = "gone"
-        self._terminate_mps_clients([r for r in self.to_signal if r.get("mps_role") == "client"])
+        self._terminate_mps_clients(report, [r for r in self.to_signal if r.get("mps_role") == "client"])
         if self.to_signal:
             outcome = self._escalate(list(self.to_signal), watched)
         for dummy in range(HEIR_ROUNDS):
@@ -1473,27 +1311,6 @@ def _after_stops(releaser, found, refused):
     return fresh
 
 
-def shm_clean(engine, report, scope, since, check_mode):
-    """The GPU stacks' /dev/shm residue older than since, as the report read it, removed unless check_mode: here,
-    or from a node the scoped containers' (the node's own only with host_processes, or without containers).
-    Returns (found, removed, left): entries with their vmid (None: this host's), left with why."""
-    places = []
-    if engine.view != "node" or scope is None or scope.host_processes or not scope.containers:
-        places.append((None, report.shm_residue or []))
-    for vmid, found in sorted((report.shm_residue_by_container or {}).items(), key=lambda item: int(item[0])):
-        if scope is not None and vmid in scope.containers:
-            places.append((vmid, found))
-    found_all, removed, left = [], [], []
-    for vmid, found in places:
-        tag = dict(vmid=int(vmid) if vmid else None)
-        found_all += [dict(entry, **tag) for entry in found]
-        if found and not check_mode:
-            done, not_done = shm.remove(report.shm_dirs[vmid], found, since)
-            removed += [dict(entry, **tag) for entry in done]
-            left += [dict(entry, why=why, **tag) for entry, why in not_done]
-    return found_all, removed, left
-
-
 def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_DIR, deadline=None, progress=None):
     """Run gpu_release on a started Engine. Returns (failed, msg, result).
 
@@ -1582,8 +1399,12 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         """A free outcome with clean_shm: the residue the report read listed (check mode) or removed, said in msg."""
         if failed or not opts.get("shm_prefixes"):
             return failed, msg, res
-        found, removed, left = shm_clean(engine, report, releaser.scope, started_epoch, check_mode)
-        res.update(shm_residue=found, shm_removed=removed, shm_left=left)
+        found, removed, left, skipped = shmclean.clean(engine, report, releaser.scope, started_epoch, check_mode,
+                                                       opts["shm_prefixes"])
+        res.update(shm_residue=found, shm_removed=removed, shm_left=left, shm_skipped=skipped)
+        if skipped:
+            msg += "; /dev/shm not cleaned in %s" % "; ".join(
+                "%s: %s" % ("this host" if e["vmid"] is None else "container %d" % e["vmid"], e["why"]) for e in skipped)
         if check_mode and found:
             res["changed"] = True
             msg += "; %d shared-memory residue files would be removed" % len(found)
@@ -1610,7 +1431,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         try:
             locks.acquire(gpu_keys, wait)
             if releaser.scope is not None and releaser.scope.containers:
-                locks = _ContainerLocks(locks, engine.proc_root, releaser.scope, gpu_keys, wait - locks.waited_s)
+                locks = ContainerLocks(locks, engine.proc_root, releaser.scope, gpu_keys, wait - locks.waited_s, deadline)
         except (LockTimeout, LockDirError) as exc:
             locks.release()
             return True, "%s; nothing was signalled" % exc, dict(result, elapsed_s=round(time.monotonic() - started, 3))
@@ -1630,6 +1451,10 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         before = releaser.snapshot()
         read_shm(False)
         result.update(releaser.evidence)
+        late = releaser.late_read(before)
+        if late:
+            result["diagnosis"] = list(before.diagnosis)
+            return finish(True, "%s (timeout %ss)" % (late, opts.get("timeout")), before, None)
         broken = before.errors
         if broken:
             msg = "; ".join("GPU %s%s: %s" % (g["index"], " (%s)" % g["uuid"] if g.get("uuid") else "", g["error"])

@@ -1,20 +1,25 @@
 # Copyright (c) 2026 gpuops
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Shared-memory residue of GPU stacks in /dev/shm (private helper, may change any time).
+"""Shared-memory residue of GPU stacks in /dev/shm, judged per file system (private helper, may change any time).
 
 Leaked segments of dead processes (NCCL's, SGLang's, torch's, vLLM's) make the next launch crash in a loop.
-Residue is an entry of /dev/shm (a segment, or a POSIX semaphore sem.NAME) whose name has a GPU stack's
-prefix, that no live process of the same /dev/shm has open or mapped, and that was last changed before the
-check started. Anything else in /dev/shm is never residue. No AnsibleModule here.
+Residue is an entry of a /dev/shm folder (a segment, or a POSIX semaphore sem.NAME) whose name has a GPU stack's
+prefix, that was last changed before the check started, and that no process may use (issue 43):
+- a file's users are found by the file itself, (st_dev, st_ino), from every process's maps, on the node and in
+  every container, whatever path it was mapped by; an fd names a path only, counted in its process's own folder
+  and in every folder on the same mount;
+- a process that could not be read (its maps blocked, or were cut) may use any file of the folders it can reach:
+  the folder of its container, of its mount namespace, or, when neither can be read, every folder;
+- a folder that could not be read safely (a link on the way, a hung mount) is skipped with the reason.
+Pure: the folders, users and unreadable processes come read (the engine), the removal is the act layer's.
 """
 
 from __future__ import annotations
 
-import os
 import stat as stat_mod
 
-SHM_MARKER = b"/dev/shm/"
 SEM_PREFIX = "sem."
+UNKNOWN = "unknown"   # the place of a process whose container cannot be read
 # name prefix -> the stack it belongs to
 PREFIXES = (("nccl-", "nccl"), ("sgl_", "sglang"), ("torch_", "torch"), ("vllm", "vllm"), ("psm_", "python (vllm, torch)"))
 
@@ -41,56 +46,84 @@ def used_name(path):
     return name if name and "/" not in name else None
 
 
-def list_dir(shm_dir):
-    """[{name, bytes, mtime}] of the regular files directly in shm_dir, never following a symlink; None when
-    the folder cannot be read."""
-    out = []
-    try:
-        entries = list(os.scandir(shm_dir))
-    except OSError:
-        return None
-    for entry in entries:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except OSError:
-            continue
-        if stat_mod.S_ISREG(st.st_mode):
-            out.append({"name": entry.name, "bytes": st.st_size, "mtime": st.st_mtime})
-    return sorted(out, key=lambda e: e["name"])
+def folder_parts(path):
+    """The names a folder path is walked by, one at a time (never a link)."""
+    return [part for part in path.split("/") if part]
 
 
-def residue(entries, used, started, shm_dir="/dev/shm", prefixes=PREFIXES):
-    """[{path, bytes, owner}]: the entries with a GPU stack's prefix that no live process uses (used: names)
-    and that were last changed before started (epoch seconds)."""
-    out = []
-    for entry in entries or ():
-        owner = owner_of(entry["name"], prefixes)
-        if owner and entry["name"] not in used and entry["mtime"] < started:
-            out.append({"path": "%s/%s" % (shm_dir.rstrip("/"), entry["name"]), "bytes": entry["bytes"], "owner": owner})
+def place_order(key):
+    """This host's folder (None) first, then the containers' by vmid."""
+    return (-1,) if key is None else (int(key),)
+
+
+def sharing(places):
+    """{key: the other keys whose folder is the same mount (st_dev) or seen from the same mount namespace}."""
+    out = {}
+    for key, place in places.items():
+        out[key] = set(other for other, seen in places.items() if other != key and (
+            (place["dev"] is not None and seen["dev"] == place["dev"])
+            or (place["mnt"] is not None and seen["mnt"] == place["mnt"])))
     return out
 
 
-def remove(real_dir, entries, since):
-    """Remove each residue entry from real_dir (the folder as this process reaches it) when it is still a regular
-    file last changed before since; a symlink is never followed (the folder is opened O_NOFOLLOW, each name is
-    checked without following). Returns (removed entries, [(entry, why)] left)."""
-    removed, left = [], []
-    try:
-        dir_fd = os.open(real_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0))
-    except OSError as exc:
-        return [], [(entry, "cannot open %s: %s" % (real_dir, exc.strerror)) for entry in entries]
-    try:
-        for entry in entries:
-            name = entry["path"].rsplit("/", 1)[-1]
-            try:
-                st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
-                if not stat_mod.S_ISREG(st.st_mode) or st.st_mtime >= since:
-                    left.append((entry, "changed since the release started, or no longer a file"))
-                    continue
-                os.unlink(name, dir_fd=dir_fd)
-                removed.append(entry)
-            except OSError as exc:
-                left.append((entry, exc.strerror or str(exc)))
-    finally:
-        os.close(dir_fd)
-    return removed, left
+def unreadable_why(group, places, unreadable):
+    """Why a process that could not be read may use the folders of group (keys of one mount), or None.
+    Ruled out only when both its container (its place) and its mount namespace were read, and neither is group's."""
+    mnts = set(places[k]["mnt"] for k in group if places[k]["mnt"] is not None)
+    for proc in unreadable:
+        if proc["key"] == UNKNOWN or proc["key"] not in places or proc["mnt"] is None:
+            return ("pid %d could not be read, and where it is (its container or mount namespace) cannot be read "
+                    "either: it may use any file here" % proc["pid"])
+        if proc["key"] in group or proc["mnt"] in mnts:
+            return "pid %d could not be read (%s) and shares this folder: it may use any file here" % (
+                proc["pid"], proc.get("reason") or "its maps or fds")
+    return None
+
+
+def _residue(place, used, names, since, prefixes, seen):
+    out = []
+    for entry in place["entries"]:
+        owner = owner_of(entry["name"], prefixes)
+        identity = (entry["dev"], entry["ino"])
+        if (owner and stat_mod.S_ISREG(entry["mode"]) and identity not in used and identity not in seen
+                and entry["name"] not in names and entry["mtime"] < since):
+            seen.add(identity)
+            out.append({"path": "%s/%s" % (place["path"].rstrip("/"), entry["name"]), "bytes": entry["bytes"],
+                        "owner": owner, "name": entry["name"], "dev": entry["dev"], "ino": entry["ino"]})
+    return out
+
+
+def judge(places, used, names, unreadable, since, prefixes=PREFIXES):
+    """{key: {"residue": [...], "skipped": why or None}} of each place (key None: this host's /dev/shm, vmid: a
+    container's), each {path, dev, mnt, entries (None: not read), why}.
+
+    used: {(st_dev, st_ino)} some process maps; names: {key or UNKNOWN: names its processes' fds or maps name};
+    unreadable: [{pid, key, mnt, reason}] processes not read. A file on one mount shows in each folder of it: it is
+    listed once, under the first (this host's, then by vmid)."""
+    groups = sharing(places)
+    out, seen = {}, set()
+    for key in sorted(places, key=place_order):
+        place = places[key]
+        group = groups[key] | set([key])
+        why = place["why"] or unreadable_why(group, places, unreadable)
+        if why:
+            out[key] = {"residue": [], "skipped": why}
+            continue
+        named = set(names.get(UNKNOWN, ())).union(*(names.get(k, ()) for k in group))
+        out[key] = {"residue": _residue(place, used, named, since, prefixes, seen), "skipped": None}
+    return out
+
+
+def shared_outside(places, key, in_scope):
+    """Why the folder of key is one mount with a folder out of scope (in_scope: the keys a release may clean), or
+    None. Nothing on such a mount is removed: who uses it there is not this release's to judge."""
+    others = sorted((k for k in sharing(places)[key] if k not in in_scope), key=place_order)
+    if not others:
+        return None
+    return "it is one mount with %s, outside the scope: nothing on it is removed" % ", ".join(
+        "the node's /dev/shm" if k is None else "container %s's /dev/shm" % k for k in others)
+
+
+def shown(entry, vmid):
+    """A residue entry as the result shows it."""
+    return {"path": entry["path"], "bytes": entry["bytes"], "owner": entry["owner"], "vmid": vmid}

@@ -60,8 +60,12 @@ options:
       - Read C(/dev/shm) for GPU stacks' shared-memory residue (RV(shm_residue)); from a Proxmox node, each running
         container's too, through its init's root (RV(shm_residue_by_container)).
       - Residue is a file (a segment, or a POSIX semaphore C(sem.NAME)) whose name has a GPU stack's prefix (C(nccl-),
-        C(sgl_), C(torch_), C(vllm), C(psm_), and O(shm_prefixes)), that no live process of the same C(/dev/shm) has
-        open or mapped, and that was last changed before the check started. Anything else is never residue.
+        C(sgl_), C(torch_), C(vllm), C(psm_), and O(shm_prefixes)), that no live process has open or mapped (found by
+        the file itself, its device and inode, in every process's maps on the node and in every container), and that
+        was last changed before the check started. Anything else is never residue. A file on a mount that several
+        folders show is listed once, under the first (this host's, then by vmid).
+      - A folder is read one part at a time, never through a symlink, by a helper bounded in time; one that cannot be
+        judged (a link in its path, no answer, a process not read that may use it) is in RV(shm_skipped).
       - Leaked segments of dead processes make the next launch of an inference server fail, even on a free GPU.
     type: bool
     default: true
@@ -494,8 +498,12 @@ holders:
       sample: [2]
     mps_role:
       description:
-        - C(client) (NVML's MPS list names it), C(server) (C(nvidia-cuda-mps-server)), C(control) (the MPS control
-          daemon, never signalled), or null.
+        - C(client) (NVML's MPS list names it, or the control daemon of an MPS server lists it with
+          C(get_client_list)), C(server) (C(nvidia-cuda-mps-server)), C(control) (the MPS control daemon, never
+          signalled), or null.
+        - With an MPS server among the processes, its control daemon is asked C(get_server_list) and
+          C(get_client_list), each ask bounded (10 s); a daemon that does not answer in time is not asked again in
+          the task, and the diagnosis names it.
       type: str
       sample: client
     mps_client_on:
@@ -626,6 +634,14 @@ shm_residue:
   type: list
   elements: dict
   sample: [{"path": "/dev/shm/nccl-Xk3a9Q", "bytes": 9437184, "owner": "nccl"}]
+shm_skipped:
+  description:
+    - With O(shm_residue), the C(/dev/shm) folders whose residue could not be judged, each with C(vmid) (null for this
+      host's), C(path) and C(why) (a process not read that may use it, a symlink in its path, no answer in time).
+  returned: when O(shm_residue) is true
+  type: list
+  elements: dict
+  sample: []
 shm_residue_by_container:
   description:
     - From a Proxmox node with O(shm_residue), each running container's residue in its own C(/dev/shm) (as

@@ -43,6 +43,12 @@ description:
     NVML client (a process with the device files open but nothing mapped), pid 1, the module's own process tree,
     C(nvidia-persistenced), C(nv-hostengine), C(nv-fabricmanager), C(dcgm-exporter), C(sshd), C(lxc-attach), C(pct),
     or anything listed in O(protect)."
+  - "An MPS server (C(nvidia-cuda-mps-server)) is signalled only with every client it serves: those its control
+    daemon lists (C(get_client_list), pids mapped from a container's), and, where NVML has an MPS client list, every
+    client NVML names. A client that stays (on a GPU that is not targeted, say) keeps the server, whatever its share
+    there. A server whose clients cannot be known (no NVML MPS list, and no answer from a daemon) is never signalled;
+    RV(not_signalled) and the diagnosis say why. Each ask of a control daemon waits at most 10 s, and never past
+    O(advanced.timeout)."
   - Each signal is guarded against pid reuse (a pidfd and a start-time check, or psutil's create-time check), is
     recorded in RV(actions) and written to the target's log.
   - "Respawn by parentage: from the first signal to the verdict, and for 3 seconds after a verified release (up to
@@ -94,8 +100,10 @@ options:
       - Inside a container, setting it fails the task (a container sees only its own processes).
       - The release also takes each listed container's own per-GPU locks (through C(/proc/INIT/root/run/lock)), so
         it never races a release running inside that container. A container whose lock cannot be taken (a link or a
-        wrong owner planted there, never followed; a lock held past O(lock_timeout)) is left out with verdict
-        C(skipped) and the reason in RV(per_container); the others are released, and the task then fails naming it.
+        wrong owner planted there, never followed; a lock held past O(lock_timeout); a folder that does not answer
+        within 5 s, a hung mount) is left out with verdict C(skipped) and the reason in RV(per_container); the others
+        are released, and the task then fails naming it. Those locks are taken and held by a helper process that
+        lives as long as the release (the module never holds them), so a hung mount there never hangs the module.
       - A listed container whose config carries a C(lock) (backup, migrate, snapshot) is left out before
         anything, with verdict C(skipped) in RV(per_container); the others are released, and the task then fails
         naming the lock.
@@ -188,9 +196,16 @@ options:
             O(gpuops.fleet.gpu_info#module:shm_residue)), read afresh; from a node with O(containers), in each scoped
             container's C(/dev/shm) (the node's own only with O(host_processes)); from a node without O(containers),
             the node's own.
-          - Never a file a live process has open or maps, never one changed after the release started, never through a
-            symlink. Check mode lists what would be removed (RV(shm_residue)) and removes nothing.
-          - A file that could not be removed fails the task, naming it (RV(shm_left)).
+          - A file's users are found by the file itself (its device and inode in every process's maps, on the node and
+            in every container, whatever path it is mapped by; an open fd by its path, in every folder on the same mount).
+            Never a file a live process has open or maps, never one changed after the release started, never through a
+            symlink at any part of the path. Users are read and judged again right before the removals.
+          - A folder is not cleaned, with the reason in RV(shm_skipped), when it is one mount with a folder outside the
+            scope (a container's C(/dev/shm) that is the node's own, by a bind mount, without O(host_processes)), when a
+            process that could not be read may use it, when a part of its path is a symlink (a Debian-style
+            C(/dev/shm -> /run/shm)), or when it does not answer in time (a hung mount).
+          - Check mode lists what would be removed (RV(shm_residue)) and removes nothing.
+          - A file that could not be removed fails the task, naming it (RV(shm_left)); a folder not cleaned does not.
         type: bool
         default: false
       cmdline:
@@ -329,6 +344,8 @@ options:
         description:
           - Overall limit in seconds for the whole task, enforced by the module itself, so that a dropped SSH channel
             cannot leave it running forever. More than 0.
+          - The asks of MPS control daemons count against it; when it is reached while the GPUs are first read (a
+            daemon that does not answer), nothing is signalled and the task fails, naming the daemon.
         type: float
         default: 180
       verify_timeout:
@@ -786,6 +803,15 @@ shm_left:
   type: list
   elements: dict
   sample: []
+shm_skipped:
+  description:
+    - With O(advanced.clean_shm), the C(/dev/shm) folders in scope that were not cleaned, each with C(vmid) (null for
+      this host's), C(path) and C(why) (one mount with a folder out of scope, a process not read that may use it, a
+      symlink in its path, no answer in time).
+  returned: with O(advanced.clean_shm), when the targeted GPUs end free
+  type: list
+  elements: dict
+  sample: [{"vmid": 101, "path": "/dev/shm", "why": "it is one mount with the node's /dev/shm, outside the scope: nothing on it is removed"}]
 reset_blockers:
   description:
     - With O(gpu_reset) on a node, what would block a reset of the targeted GPUs, each with C(kind) (C(user_holder),

@@ -19,7 +19,7 @@ from _enginelab import REPO, VENV_BIN, EngineLab, host_alive
 from _labfixture import clean_engine_lab, module_lab, wait_until
 from lablib.common import state_dir
 
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import lock_name
+from ansible_collections.gpuops.fleet.plugins.module_utils._locks import lock_name
 
 lab = module_lab(lambda: EngineLab("node11", ["--nodes", "1", "--containers", "3", "--gpus", "3",
                                               "--layout", "101=0,1", "--layout", "102=0", "--unprivileged", "102",

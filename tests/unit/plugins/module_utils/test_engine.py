@@ -261,7 +261,8 @@ def test_mps_server_is_signalled_only_with_all_of_its_clients_and_clients_get_te
     one = decide(report, [0], [0, 1])
     assert [r["pid"] for r in one.to_signal] == [301]
     assert [s["reason"] for s in one.skipped if s["pid"] == 300] == [
-        "the MPS server, signalled only with all of its clients: pids 302 stay"]
+        "the MPS server, signalled only with all of its clients: pid 302 (GPU 1) stays; stopping the server under a "
+        "live client leaves that client's work undefined (collateral, whatever the server's own share there)"]
     entry = plan_entry(one.to_signal[0], [0], one, 64)
     assert entry["signals"] == ["terminate_client", "SIGTERM", "SIGKILL"] and entry["note"].startswith("an MPS client")
     both = decide(report, [0, 1], [0, 1])

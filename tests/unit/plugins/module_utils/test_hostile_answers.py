@@ -13,7 +13,8 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _access as acc
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import lock_name, release
+from ansible_collections.gpuops.fleet.plugins.module_utils._locks import lock_name
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import release
 from ansible_collections.gpuops.fleet.plugins.modules import gpu_info
 
 from fake_nvml import FakeNvml

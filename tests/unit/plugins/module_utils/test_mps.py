@@ -40,7 +40,7 @@ def test_the_control_daemon_is_found_and_asked_with_its_pipe_directory(tmp_path,
         control = found[0]
         assert control["binary"] == str(tool) and control["env"]["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
         assert control["vmid"] is None
-        assert mps.servers_and_clients(control) == {540: [488, 486]}
+        assert mps.listing(control) == {"control": control, "servers": {540: [488, 486]}, "why": {}, "error": None}
         assert mps.ask(control, "terminate_client 540 486") == (True, "0")
         assert (pipe / "commands").read_text().splitlines() == [
             "get_server_list", "get_client_list 540", "terminate_client 540 486"]

@@ -1,11 +1,15 @@
 """The node-side helpers: containers from cgroups, configs, HA, by_container, scope, container locks."""
+import fcntl
 import os
 import stat
 
 import pytest
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import GpuLocks, LockDirError, LockTimeout
+from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils._locks import (
+    GpuLocks, HelperLocks, LockDirError, LockTimeout, lock_name,
+)
 
 CONF = """arch: amd64
 hostname: ct101
@@ -117,8 +121,13 @@ def test_a_containers_dev_is_read_by_device_number_and_checked_against_its_confi
     (real / "null").write_text("")
     (lab / "nvidia0").write_text("")     # the lab's stand-in: not a device, nothing to check
     _chardev(real / "nvidia3", 3)
-    assert node.dev_minors(str(real)) == {3: ["nvidia0", "nvidia3"]}
-    assert node.dev_minors(str(lab)) is None and node.dev_minors(str(tmp_path / "none")) is None
+
+    def read(folder):
+        return node.dev_minors(procscan.list_folder("/", [p for p in str(folder).split("/") if p])["entries"])
+    assert read(real) == {3: ["nvidia0", "nvidia3"]}
+    assert read(lab) is None
+    with pytest.raises(OSError):
+        read(tmp_path / "none")
     confs = {"101": {"minors": [3]}, "102": {"minors": [2]}, "103": {"minors": [4]}}
     seen = {"101": {3: ["nvidia0", "nvidia3"]}, "102": {0: ["nvidia0"]}, "103": None}
     held, lines = node.check_devices(confs, seen)
@@ -151,11 +160,11 @@ def test_rooted_lock_dir_is_made_for_the_roots_owner_and_excludes_a_second_taker
     root = tmp_path / "ctroot"
     (root / "run").mkdir(parents=True)
     uid, gid = os.getuid(), os.getgid()
-    first = GpuLocks(rooted=node.RootLockDir(str(root), ["run", "lock", "gpuops-fleet"], uid, gid))
+    first = HelperLocks(str(root), ["run", "lock", "gpuops-fleet"], uid, gid)
     first.acquire(["GPU-a"], 1)
     made = root / "run" / "lock" / "gpuops-fleet"
     assert stat.S_IMODE(made.stat().st_mode) == 0o700
-    assert (made / "gpuops-fleet-gpu-GPU-a.lock").exists()
+    assert (made / "gpuops-fleet-gpu-GPU-a.lock").exists() and first.locked == [str(made / "gpuops-fleet-gpu-GPU-a.lock")]
     # the container's own release takes the same file by its own path
     inside = GpuLocks(str(made))
     with pytest.raises(LockTimeout):
@@ -165,13 +174,44 @@ def test_rooted_lock_dir_is_made_for_the_roots_owner_and_excludes_a_second_taker
     inside.release()
 
 
+def test_a_container_lock_is_really_held_by_its_helper_until_released(tmp_path):
+    """Issue 43: the helper that took a container's lock holds it for the whole release (this process never
+    holds the descriptor): another open file description of the file cannot flock it until release()."""
+    root = tmp_path / "ctroot"
+    (root / "run").mkdir(parents=True)
+    locks = HelperLocks(str(root), ["run", "lock", "gpuops-fleet"], os.getuid(), os.getgid())
+    locks.acquire(["GPU-a", "GPU-b"], 1)
+    helper = locks.proc.pid
+    paths = [str(root / "run" / "lock" / "gpuops-fleet" / lock_name(k)) for k in ("GPU-a", "GPU-b")]
+    assert sorted(locks.locked) == paths
+    own = os.listdir("/proc/self/fd")
+    assert not any(os.path.realpath("/proc/self/fd/" + fd) in paths for fd in own if os.path.exists("/proc/self/fd/" + fd))
+    assert sorted(os.readlink("/proc/%d/fd/%s" % (helper, fd)) for fd in os.listdir("/proc/%d/fd" % helper)
+                  if os.readlink("/proc/%d/fd/%s" % (helper, fd)) in paths) == paths
+    for path in paths:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+    locks.release()
+    assert not os.path.exists("/proc/%d/fd" % helper) or not os.listdir("/proc/%d/fd" % helper)
+    for path in paths:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(fd)
+
+
 def test_rooted_lock_dir_never_follows_a_planted_link(tmp_path):
     root = tmp_path / "ctroot"
     (root / "run").mkdir(parents=True)
     elsewhere = tmp_path / "node-etc"
     elsewhere.mkdir()
     os.symlink(str(elsewhere), str(root / "run" / "lock"))
-    locks = GpuLocks(rooted=node.RootLockDir(str(root), ["run", "lock", "gpuops-fleet"], os.getuid(), os.getgid()))
+    locks = HelperLocks(str(root), ["run", "lock", "gpuops-fleet"], os.getuid(), os.getgid())
     with pytest.raises(LockDirError, match="is not a directory"):
         locks.acquire(["GPU-a"], 0.2)
     assert os.listdir(str(elsewhere)) == []
@@ -180,19 +220,18 @@ def test_rooted_lock_dir_never_follows_a_planted_link(tmp_path):
 def test_rooted_lock_file_already_held_keeps_its_owner(tmp_path):
     folder = tmp_path / "locks"
     folder.mkdir(mode=0o700)
-    held = folder / "held.lock"
+    folder.chmod(0o700)
+    os.chown(str(folder), 4242, 4242)
+    held = folder / lock_name("GPU-held")
     held.write_text("")
     st = held.stat()
-    rooted = node.RootLockDir(str(tmp_path), ["locks"], 4242, 4242)
-    dir_fd = os.open(str(folder), os.O_RDONLY | os.O_DIRECTORY)
+    locks = HelperLocks(str(tmp_path), ["locks"], 4242, 4242, held={(st.st_dev, st.st_ino): str(held)})
+    locks.acquire(["GPU-held", "GPU-new"], 1)
     try:
-        fds = [rooted.open_file(dir_fd, "held.lock", keep_owner={(st.st_dev, st.st_ino): str(held)}),
-               rooted.open_file(dir_fd, "new.lock", keep_owner={(st.st_dev, st.st_ino): str(held)})]
-        for fd in fds:
-            os.close(fd)
+        assert locks.aliases == [(str(held), str(held))] and locks.locked == [str(folder / lock_name("GPU-new"))]
+        assert held.stat().st_uid == st.st_uid and (folder / lock_name("GPU-new")).stat().st_uid == 4242
     finally:
-        os.close(dir_fd)
-    assert held.stat().st_uid == st.st_uid and (folder / "new.lock").stat().st_uid == 4242
+        locks.release()
 
 
 def test_inits_and_members_from_the_snapshots_scan_are_those_of_a_walk(proc):

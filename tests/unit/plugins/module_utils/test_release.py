@@ -561,7 +561,7 @@ def _fake_container_init(proc, pid, vmid, root):
 
 def test_a_container_lock_file_that_is_the_nodes_own_is_taken_once(tmp_path):
     from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
-    from ansible_collections.gpuops.fleet.plugins.module_utils._release import _ContainerLocks
+    from ansible_collections.gpuops.fleet.plugins.module_utils._locks import ContainerLocks
     shared_root = tmp_path / "shared"          # /run/lock of the node, also that of containers 103 and 104
     (shared_root / "run").mkdir(parents=True)
     node_dir = shared_root / "run" / "lock" / "gpuops-fleet"
@@ -576,14 +576,14 @@ def test_a_container_lock_file_that_is_the_nodes_own_is_taken_once(tmp_path):
     keys = ["GPU-b", "GPU-a"]
     node_locks = GpuLocks(str(node_dir))
     node_locks.acquire(keys, 2.0)
-    locks = _ContainerLocks(node_locks, str(proc), node.Scope([103, 104, 105]), keys, 2.0)
+    locks = ContainerLocks(node_locks, str(proc), node.Scope([103, 104, 105]), keys, 2.0)
     try:
         by_root = dict((taken.lock_dir, taken) for taken in locks.all[1:])
         for pid in (4242, 4343):     # the same files by another path: closed, never flocked a second time
             aliased = by_root["%s/%d/root/run/lock/gpuops-fleet" % (proc, pid)]
-            assert aliased.fds == [] and len(aliased.aliases) == 2
+            assert aliased.locked == [] and len(aliased.aliases) == 2
             assert sorted(held for dummy, held in aliased.aliases) == sorted(node_locks.path(k) for k in keys)
-        assert len(by_root["%s/4444/root/run/lock/gpuops-fleet" % proc].fds) == 2
+        assert len(by_root["%s/4444/root/run/lock/gpuops-fleet" % proc].locked) == 2
         for folder in (node_dir, own_dir):   # each file is held against any other taker
             with pytest.raises(LockTimeout):
                 GpuLocks(str(folder)).acquire(["GPU-a"], 0.2)

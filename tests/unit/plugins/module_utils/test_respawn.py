@@ -107,9 +107,9 @@ def test_nvml_is_read_before_proc_and_a_contradiction_is_read_again(proc):
     order = []
     scan, nvml_processes = engine.scan, engine.nvml.processes
 
-    def scan_then_map():
+    def scan_then_map(*args):
         order.append("proc")
-        result = scan()
+        result = scan(*args)
         with open(os.path.join(proc.root, "10", "maps"), "w") as handle:
             handle.write(maps_lines(ctx(0) + [CTL, UVM]))        # it maps right after the whole-/proc read
         return result

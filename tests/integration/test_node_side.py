@@ -771,7 +771,7 @@ def test_bind_shared_dev_shm_out_of_scope_is_skipped_by_a_node_side_clean_shm(cl
             play = clean.direct("pve1", "gpu_release", args, check_mode=check_mode)
             assert not play.failed and play["shm_residue"] == play["shm_removed"] == play["shm_left"] == [], play
             assert [(s["vmid"], s["path"]) for s in play["shm_skipped"]] == [(101, "/dev/shm")], play
-            assert "shared" in play["shm_skipped"][0]["why"] and "node" in play["shm_skipped"][0]["why"], play
+            assert "node's /dev/shm" in play["shm_skipped"][0]["why"] and "outside the scope" in play["shm_skipped"][0]["why"], play
             assert _node_shm_names(world) == ["PostgreSQL.1", "nccl-leak", "nccl-live"]
             assert _node_shm_user() == world["user"]
     finally:

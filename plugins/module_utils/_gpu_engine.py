@@ -580,8 +580,20 @@ class Engine(object):
         if self.view == "node":
             spots += [(vmid, "%s/%d/root" % (self.proc_root, init), init)
                       for vmid, init in sorted(node.container_inits(self.proc_root).items(), key=lambda i: int(i[0]))]
-        return dict((key, self._read_place(root, parts, procscan.namespace_inode(ns_of, "mnt", self.proc_root)))
-                    for key, root, ns_of in spots)
+        places = dict((key, self._read_place(root, parts, procscan.namespace_inode(ns_of, "mnt", self.proc_root)))
+                      for key, root, ns_of in spots)
+        if self.view == "container" and places[None]["why"] is None:
+            places[None]["why"] = self._foreign_why(places[None])
+        return places
+
+    def _foreign_why(self, place):
+        """Inside a container, _shm.foreign_why of its /dev/shm: made outside it (a folder of the node's bound in)."""
+        try:
+            mountinfo = procscan.read_text("/proc/self/mountinfo")
+        except OSError:
+            mountinfo = ""
+        overflow = tuple(node.overflow_id(kind) for kind in ("uid", "gid"))
+        return shm.foreign_why(place, overflow, shm.mount_of(self.shm_dir, mountinfo))
 
     def _read_place(self, root, parts, mnt):
         """One /dev/shm folder: {path, label, root, parts, mnt, dev, entries (None: not read), why (not read)}."""
@@ -611,25 +623,32 @@ class Engine(object):
         where = node.container_of_pid(pid, self.proc_root, scan)
         return None if where == node.HOST else (shm.UNKNOWN if where is None else where)
 
-    def shm_users(self, scan):
-        """(files some process maps, {place: names its processes' fds and maps name}, [processes not read]) of a
-        scan with shm: the evidence _shm.judge weighs."""
+    def shm_users(self, scan, places):
+        """(files some process maps or has open, {place: names its processes' fds and maps name}, [processes not
+        read]) of a scan with shm: the evidence _shm.judge weighs. A name counts in its process's container's place
+        and in each place seen from its mount namespace."""
         used = set()
         for files in scan.shm_files.values():
             used.update(files)
         names = {}
         for pid, paths in scan.shm_paths.items():
-            names.setdefault(self._shm_key(pid, scan), set()).update(n for n in (shm.used_name(p) for p in paths) if n)
+            mnt = procscan.namespace_inode(pid, "mnt", self.proc_root)
+            keys = set([self._shm_key(pid, scan)]) | set(k for k, p in places.items() if mnt is not None and p["mnt"] == mnt)
+            for key in keys:
+                names.setdefault(key, set()).update(n for n in (shm.used_name(p) for p in paths) if n)
         why = dict((b["pid"], "its maps read %s" % ("was cut" if b.get("reason") == "truncated" else "blocked"))
                    for b in scan.blocked)
-        unreadable = [{"pid": pid, "key": self._shm_key(pid, scan), "reason": why.get(pid),
-                       "mnt": procscan.namespace_inode(pid, "mnt", self.proc_root)} for pid in scan.unreadable]
+        unreadable = []
+        for pid in scan.unreadable:
+            key = self._shm_key(pid, scan)
+            unreadable.append({"pid": pid, "key": key, "reason": why.get(pid), "everywhere": self.view == "node" and key is None,
+                               "mnt": procscan.namespace_inode(pid, "mnt", self.proc_root)})
         return used, names, unreadable
 
     def _shm_report(self, report, places, scan, since):
         """The report's residue by place (shm_residue: this host's; shm_residue_by_container from a node) and the
         folders skipped, as _shm.judge weighs the places and their users."""
-        used, names, unreadable = self.shm_users(scan)
+        used, names, unreadable = self.shm_users(scan, places)
         judged = shm.judge(places, used, names, unreadable, since, self.shm_prefixes)
         report.shm_places, report.shm_judged = places, judged
         public = dict((key, [dict((k, e[k]) for k in ("path", "bytes", "owner")) for e in verdict["residue"]])

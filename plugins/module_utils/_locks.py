@@ -132,6 +132,10 @@ class GpuLocks(object):
             self.taken.append(identity)
         self.waited_s = clock() - start
 
+    def lost(self):
+        """{} always: this process holds its own locks' descriptors (ContainerLocks.lost's shape)."""
+        return {}
+
     def release(self):
         for identity in self.taken:
             self.held.pop(identity, None)
@@ -251,9 +255,21 @@ class HelperLocks(object):
         self.lock_dir = root.rstrip("/") + "/" + "/".join(self.parts)
         self.held = held if held is not None else {}
         self.taken = []     # identities the helper flocked (and put into held)
-        self.locked = []    # the lock files it holds, by path
+        self._locked = []   # the lock files it holds, by path
         self.aliases = []   # (path, path of the file already held) skipped as the same file
         self.proc = None
+
+    @property
+    def locked(self):
+        """The lock files the helper holds now, by path: none once it has ended (its locks went with it)."""
+        return list(self._locked) if self.alive() else []
+
+    def alive(self):
+        return self.proc is not None and self.proc.poll() is None
+
+    def lost(self):
+        """The lock files taken that the helper no longer holds (it ended: killed, out of memory)."""
+        return [] if self.alive() else list(self._locked)
 
     def path(self, key):
         return os.path.join(self.lock_dir, lock_name(key))
@@ -278,7 +294,7 @@ class HelperLocks(object):
         for name, dev, ino in answer["locked"]:
             self.held[(dev, ino)] = os.path.join(self.lock_dir, name)
             self.taken.append((dev, ino))
-            self.locked.append(os.path.join(self.lock_dir, name))
+            self._locked.append(os.path.join(self.lock_dir, name))
         self.aliases += [(os.path.join(self.lock_dir, name), self.held.get((dev, ino))) for name, dev, ino in answer["aliases"]]
 
     def _expect(self, what, timeout, late):
@@ -313,7 +329,7 @@ class HelperLocks(object):
         """End the helper (its stdin closed), so its locks go; waited for, then abandoned."""
         for identity in self.taken:
             self.held.pop(identity, None)
-        self.taken, self.locked = [], []
+        self.taken, self._locked = [], []
         proc, self.proc = self.proc, None
         if proc is None:
             return
@@ -335,6 +351,7 @@ class ContainerLocks(object):
     def __init__(self, node_locks, proc_root, scope, keys, timeout, deadline=None):
         self.deadline = deadline
         self.all = [node_locks]
+        self.by_vmid = {}
         self.skipped = {}
         self.waited_s = node_locks.waited_s
         inits = node.container_inits(proc_root)
@@ -356,12 +373,29 @@ class ContainerLocks(object):
             opening = OPEN_TIMEOUT_S if self.deadline is None else max(0.0, min(OPEN_TIMEOUT_S, self.deadline - started))
             locks.acquire(keys, timeout, opening)
             self.all.append(locks)
+            self.by_vmid[vmid] = locks
         except (LockTimeout, LockDirError, OSError) as exc:
             if locks is not None:
                 locks.release()
             self.skipped[vmid] = ("container %s: its GPU lock could not be taken (%s); nothing of it was signalled or "
                                   "stopped" % (vmid, exc))
         self.waited_s += time.monotonic() - started
+
+    def lost(self):
+        """{vmid: the lock files of its container that are no longer held} (a lock helper that ended)."""
+        out = {}
+        for vmid, locks in self.by_vmid.items():
+            if locks.lost():
+                out[vmid] = locks.lost()
+        return out
+
+    def lost_words(self):
+        """A sentence naming the containers whose locks are lost, or None."""
+        lost = self.lost()
+        if not lost:
+            return None
+        return "; ".join("the GPU lock of container %s was lost (its lock helper ended: %s): a release inside it may "
+                         "run at the same time" % (vmid, ", ".join(lost[vmid])) for vmid in sorted(lost, key=int))
 
     def release(self):
         for locks in self.all:

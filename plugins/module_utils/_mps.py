@@ -187,13 +187,23 @@ def read_servers(servers, records, proc_root="/proc", node_view=False, deadline=
 
 
 def _evidence(server, records, listings, proc_root):
-    failed = []
+    """What the daemons that can see server say of its clients. One daemon's word decides only when every other
+    daemon that can see it answered without listing it: a second daemon that lists it with other clients, or one
+    that did not answer, leaves its clients unknown (a process of a container can call itself a control daemon)."""
+    failed, found = [], []
     for entry in listings:
         listed = seen_as(server, entry["control"])
         if listed is not None and listed in entry["servers"]:
-            return _served(entry, listed, records, proc_root)
-        if listed is not None and entry["error"]:
+            found.append(_served(entry, listed, records, proc_root))
+        elif listed is not None and entry["error"]:
             failed.append(entry["error"])
+    if found and not failed and all((f["clients"], f["unseen"]) == (found[0]["clients"], found[0]["unseen"]) for f in found):
+        return found[0]
+    if found:
+        why = "%d control daemons (pids %s) can see it, and %s: which one serves it cannot be told" % (
+            len(found) + len(failed), ", ".join(str(f["control"]["pid"]) for f in found),
+            "they list other clients" if not failed else "; ".join(failed))
+        return dict(found[0], clients=None, why=why)
     why = "; ".join(failed) or "no MPS control daemon lists it (%d found)" % len(listings)
     return {"clients": None, "why": why, "unseen": [], "control": None, "server_as": None, "clients_as": {}}
 

@@ -25,7 +25,6 @@ UNATTRIBUTED = "unattributed"
 # the node's own tools (service managers, MPS control) run from these folders only, never from a path a process names
 SYSTEM_BIN_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
 OWN_NAMESPACES = ("pid", "mnt")
-OVERFLOW_UID = "/proc/sys/fs/overflowuid"
 _USER_SLICE_RE = re.compile(r"(?:^|/)(?:user\.slice|user@[^/]*\.service)(?:/|$)")
 
 _CONTAINER_RE = re.compile(r"(?:^|/)lxc/(\d+)/ns(/.*)?$")
@@ -119,9 +118,10 @@ def node_root_process(pid, proc_root="/proc"):
     return in_own_namespaces(pid, proc_root) is True and root_owned(pid, proc_root)
 
 
-def _overflow_uid():
+def overflow_id(kind="uid"):
+    """The uid (or gid) an owner this user namespace does not map shows as (/proc/sys/fs/overflowuid)."""
     try:
-        with open(OVERFLOW_UID) as handle:
+        with open("/proc/sys/fs/overflow%s" % kind) as handle:
             return int(handle.read().strip())
     except (OSError, ValueError):
         return 65534
@@ -146,7 +146,7 @@ def system_tool(name, dirs=None):
             st = os.stat(path)
         except OSError:
             continue
-        owner_ok = st.st_uid == 0 or (st.st_uid == _overflow_uid() and not _initial_user_namespace())
+        owner_ok = st.st_uid == 0 or (st.st_uid == overflow_id("uid") and not _initial_user_namespace())
         if stat_mod.S_ISREG(st.st_mode) and owner_ok and st.st_mode & 0o111 and not st.st_mode & 0o022:
             return path
     return None

@@ -47,7 +47,8 @@ BATCH = 128   # processes per batch of a scan: its requests stay well below a pi
 # file had more than CAP. R: the file (its first CAP bytes); M: its lines that hold a marker;
 # F: the targets of an fd directory's links that start with a marker or socket:[, NUL-separated; S: the folder reached
 # from PATH through the names in KEEP, each opened with O_NOFOLLOW (a link on the way is ELOOP or ENOTDIR, never
-# followed), as "DEV INO" and one "MODE DEV INO SIZE MTIME_NS RDEV NAME" per entry, NUL-separated. An OP ending
+# followed), as "DEV INO UID GID" and one "MODE DEV INO SIZE MTIME_NS RDEV UID GID NAME" per entry, NUL-separated;
+# an F target under /dev/shm/ carries "\x01DEV INO" of the open file (a stat of the fd link). An OP ending
 # in "." ends a batch, whose answers are flushed then; a read that has taken over 50 ms has the answers before
 # it flushed by a watchdog thread, so a missing answer is always the one being read.
 READER_SOURCE = r"""
@@ -88,6 +89,12 @@ def fd_targets(path, keep):
             except OSError:
                 continue
             if target.startswith(keep) or target.startswith(b"socket:["):
+                if target.startswith(b"/dev/shm/"):
+                    try:
+                        st = os.stat(name, dir_fd=dir_fd)
+                        target += b"\x01%d %d" % (st.st_dev, st.st_ino)
+                    except OSError:
+                        pass
                 kept.append(target)
         return len(names), b"\0".join(kept)
     finally:
@@ -101,14 +108,14 @@ def listing(path, parts):
             fd = child
         st = os.fstat(fd)
         names = os.listdir(fd)
-        rows = [b"%d %d" % (st.st_dev, st.st_ino)]
+        rows = [b"%d %d %d %d" % (st.st_dev, st.st_ino, st.st_uid, st.st_gid)]
         for name in names:
             try:
                 e = os.stat(name, dir_fd=fd, follow_symlinks=False)
             except OSError:
                 continue
-            rows.append(b"%d %d %d %d %d %d " % (e.st_mode, e.st_dev, e.st_ino, e.st_size, e.st_mtime_ns, e.st_rdev)
-                        + os.fsencode(name))
+            rows.append(b"%d %d %d %d %d %d %d %d " % (e.st_mode, e.st_dev, e.st_ino, e.st_size, e.st_mtime_ns, e.st_rdev,
+                                                     e.st_uid, e.st_gid) + os.fsencode(name))
         return len(names), b"\0".join(rows)
     finally:
         os.close(fd)
@@ -372,13 +379,14 @@ def list_folder(root, parts, timeout=None):
     if isinstance(answer, OSError):
         raise answer  # pylint: disable=raising-bad-type
     rows = answer[1].split(b"\0")
-    dev, ino = (int(v) for v in rows[0].split())
+    dev, ino, uid, gid = (int(v) for v in rows[0].split())
     entries = []
     for row in rows[1:]:
-        mode, edev, eino, size, mtime_ns, rdev, name = row.split(b" ", 6)
+        mode, edev, eino, size, mtime_ns, rdev, euid, egid, name = row.split(b" ", 8)
         entries.append({"name": os.fsdecode(name), "mode": int(mode), "dev": int(edev), "ino": int(eino),
-                        "bytes": int(size), "mtime": int(mtime_ns) / 1e9, "rdev": int(rdev)})
-    return {"dev": dev, "ino": ino, "entries": sorted(entries, key=lambda e: e["name"])}
+                        "bytes": int(size), "mtime": int(mtime_ns) / 1e9, "rdev": int(rdev), "uid": int(euid),
+                        "gid": int(egid)})
+    return {"dev": dev, "ino": ino, "uid": uid, "gid": gid, "entries": sorted(entries, key=lambda e: e["name"])}
 
 
 def blocked_info(pid, proc_root, path, timeout):
@@ -775,13 +783,20 @@ def _scan_pids(proc_root, devices, pids, result, lane=0, cgroups=False, shm=Fals
             _take(proc_root, devices, pid, stat, answers[2 * n], answers[2 * n + 1], result, devs)
 
 
-def _fd_read(answer, devices, shm_paths):
-    """(device paths, socket targets) from an fd answer, adding /dev/shm targets to shm_paths; None when
-    the process is gone; () when unreadable."""
+def _fd_read(answer, devices, shm_paths, shm_files=None):
+    """(device paths, socket targets) from an fd answer, adding /dev/shm targets to shm_paths (and the open files'
+    (st_dev, st_ino) to shm_files); None when the process is gone; () when unreadable."""
     if isinstance(answer, OSError):
         return None if answer.errno in _GONE else ()
-    targets = [os.fsdecode(t) for t in answer[1].split(b"\0")] if answer[1] else []
-    shm_paths.update(t for t in targets if t.startswith(SHM_DIR))
+    targets = []
+    for raw in answer[1].split(b"\0") if answer[1] else ():
+        target, dummy, identity = os.fsdecode(raw).partition("\x01")
+        targets.append(target)
+        if target.startswith(SHM_DIR):
+            shm_paths.add(target)
+            if identity and shm_files is not None:
+                dev, ino = identity.split()
+                shm_files.add((int(dev), int(ino)))
     return _fd_devices(targets, devices)
 
 
@@ -830,7 +845,7 @@ def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result, shm_dev
             result.unreadable.append(pid)
         # else a user process without mappings (one exiting, say): its open files still count
     shm_paths, shm_files = _shm_maps(maps, shm_devs)
-    fd_read = _fd_read(fd_answer, devices, shm_paths)
+    fd_read = _fd_read(fd_answer, devices, shm_paths, shm_files)
     if fd_read is None:
         return
     if shm_paths:

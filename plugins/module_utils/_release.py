@@ -1483,6 +1483,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             return with_shm(before, *finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (
                 len(releaser.plan), "" if not found else ", after %d units stopped" % len(found),
                 refused_words(refused)), before, None))
+        if getattr(locks, "lost_words", lambda: None)():
+            return finish(True, "%s; nothing was signalled" % locks.lost_words(), before, None)
         try:
             if found:
                 fresh = _after_stops(releaser, found, refused)
@@ -1498,6 +1500,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             return finish(True, "%s (timeout %ss)" % (exc, opts.get("timeout")), before, after)
         read_shm(True)
         after = releaser.snapshot()
+        lost = getattr(locks, "lost_words", lambda: None)()
     finally:
         read_shm(False)
         try:
@@ -1506,6 +1509,8 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             locks.release()
     if releaser.failure:
         return finish(True, releaser.failure, before, after)
+    if lost:
+        return finish(True, "%s, during this release: its outcome is not trusted" % lost, before, after)
     if releaser.missing:
         return finish(True, "GPU %s is not free: NVML no longer lists it after it was opened again (a reset that "
                       "did not bring the GPU back, or a driver restart); find it with nvidia-smi on the node"

@@ -68,9 +68,14 @@ def sharing(places):
 
 def unreadable_why(group, places, unreadable):
     """Why a process that could not be read may use the folders of group (keys of one mount), or None.
-    Ruled out only when both its container (its place) and its mount namespace were read, and neither is group's."""
+    Ruled out only when both its container (its place) and its mount namespace were read, and neither is group's;
+    never a node's process seen from the node (`everywhere`: it reaches every container's folder through
+    /proc/INIT/root)."""
     mnts = set(places[k]["mnt"] for k in group if places[k]["mnt"] is not None)
     for proc in unreadable:
+        if proc.get("everywhere"):
+            return ("pid %d, a process of the node, could not be read (%s): it reaches every container's folder, and "
+                    "may use any file here" % (proc["pid"], proc.get("reason") or "its maps or fds"))
         if proc["key"] == UNKNOWN or proc["key"] not in places or proc["mnt"] is None:
             return ("pid %d could not be read, and where it is (its container or mount namespace) cannot be read "
                     "either: it may use any file here" % proc["pid"])
@@ -112,6 +117,44 @@ def judge(places, used, names, unreadable, since, prefixes=PREFIXES):
         named = set(names.get(UNKNOWN, ())).union(*(names.get(k, ()) for k in group))
         out[key] = {"residue": _residue(place, used, named, since, prefixes, seen), "skipped": None}
     return out
+
+
+def mount_of(path, mountinfo):
+    """The /proc/self/mountinfo entry of the mount path is on: {mount_point, root, optional, fstype}, or None."""
+    best = None
+    for line in mountinfo.splitlines():
+        fields = line.split(" ")
+        if len(fields) < 7 or "-" not in fields[6:]:
+            continue
+        sep = fields.index("-", 6)
+        point = fields[4].encode().decode("unicode_escape")
+        if (path == point or path.startswith(point.rstrip("/") + "/")) and (best is None or len(point) >= len(best["mount_point"])):
+            best = {"mount_point": point, "root": fields[3].encode().decode("unicode_escape"), "optional": fields[6:sep],
+                    "fstype": fields[sep + 1] if len(fields) > sep + 1 else None}
+    return best
+
+
+def foreign_why(place, overflow, mount):
+    """Inside a container: why its /dev/shm may be a folder made outside it (the node's, or another container's,
+    bound in), whose users it cannot see, or None. overflow: (uid, gid) an owner this user namespace does not map
+    shows as; mount: mount_of the folder."""
+    if place["entries"] is None:
+        return None
+    odd = [e["name"] for e in place["entries"] if (e.get("uid"), e.get("gid")) != (None, None) and (
+        e["uid"] == overflow[0] or e["gid"] == overflow[1])]
+    if place.get("uid") == overflow[0] or place.get("gid") == overflow[1] or odd:
+        return ("%s is owned by an owner this container does not map (uid %d): made outside it, a folder of the "
+                "node's bound in, whose users this container cannot see: clean it from the node" % (
+                    "it" if not odd else odd[0], overflow[0]))
+    if mount is None:
+        return "its mount cannot be found in /proc/self/mountinfo: whose users it has cannot be told"
+    if mount["root"] != "/":
+        return ("it is the folder %s of a file system mounted in (a bind): its other users cannot be seen from this "
+                "container; clean it from the node" % mount["root"])
+    if any(opt.startswith("master:") for opt in mount["optional"]):
+        return ("its mount receives mount events from outside this container (%s): bound in from the node, whose "
+                "users this container cannot see; clean it from the node" % " ".join(mount["optional"]))
+    return None
 
 
 def shared_outside(places, key, in_scope):

@@ -50,6 +50,8 @@ for entry in job["files"]:
         else:
             os.unlink(entry["name"], dir_fd=fd)
             removed.append(entry["name"])
+    except FileNotFoundError:
+        pass   # gone already (a release inside the container, the program itself): neither removed here nor left
     except OSError as exc:
         left.append([entry["name"], exc.strerror or str(exc)])
 print(json.dumps({"removed": removed, "left": left}))
@@ -83,17 +85,18 @@ def chosen(places, judged, keys):
 def _judged_again(engine, since, prefixes):
     """The places, read again, and their verdicts on fresh evidence (every process's users read again)."""
     places = engine.shm_places()
-    used, names, unreadable = engine.shm_users(engine.scan(places))
+    used, names, unreadable = engine.shm_users(engine.scan(places), places)
     return places, shm.judge(places, used, names, unreadable, since, prefixes)
 
 
 def remove(place, entries, since, timeout):
-    """Unlink entries from one place's folder in a bounded helper: (removed entries, [(entry, why)] left)."""
+    """Unlink entries from one place's folder in a bounded helper: (removed entries, [(entry, why)] left). A helper
+    past timeout is killed and waited for at most the rest of timeout's second (then abandoned)."""
     job = {"root": place["root"], "parts": place["parts"], "folder": [place["dev"], place["ino"]],
            "since_ns": int(since * 1e9), "files": [{"name": e["name"], "dev": e["dev"], "ino": e["ino"]} for e in entries]}
     argv = [sys.executable or "python3", "-S", "-c", REMOVE_SOURCE, json.dumps(job)]
     try:
-        dummy, out = helperproc.run_bounded(argv, timeout)
+        dummy, out = helperproc.run_bounded(argv, timeout, kill_wait=min(helperproc.KILL_WAIT_S, 1.0))
         answer = json.loads(out.strip().splitlines()[-1])
     except subprocess.TimeoutExpired:
         return [], [(e, "%s did not answer within %gs (a hung mount?): not removed" % (place["label"], timeout))
@@ -119,12 +122,24 @@ def clean(engine, report, scope, since, check_mode, prefixes):
     places, judged = _judged_again(engine, since, prefixes)
     for key in sorted(found, key=shm.place_order):
         vmid = None if key is None else int(key)
-        still = set() if key not in places or judged[key]["skipped"] or shm.shared_outside(places, key, keys) else set(
-            (e["dev"], e["ino"]) for e in judged[key]["residue"])
-        keep = [e for e in found[key] if (e["dev"], e["ino"]) in still]   # one in use again is no residue: kept
-        if keep:
-            timeout = REMOVE_TIMEOUT_S if engine.deadline is None else max(0.05, min(REMOVE_TIMEOUT_S, engine.deadline - time.monotonic()))
-            done, not_done = remove(places[key], keep, since, timeout)
+        why = "no longer running" if key not in places else judged[key]["skipped"] or shm.shared_outside(places, key, keys)
+        if why and found[key]:
+            skipped.append({"vmid": vmid, "path": report.shm_places[key]["path"],
+                            "why": "when read again right before the removals: %s" % why})
+        elif found[key]:
+            still = set((e["dev"], e["ino"]) for e in judged[key]["residue"])
+            done, not_done = _remove_in_time(engine, places[key], [e for e in found[key] if (e["dev"], e["ino"]) in still],
+                                             since)   # one in use again is no residue: kept
             removed += [shm.shown(e, vmid) for e in done]
             left += [dict(shm.shown(e, vmid), why=why) for e, why in not_done]
     return listed, removed, left, skipped
+
+
+def _remove_in_time(engine, place, entries, since):
+    """remove() within the time left to the engine's deadline; with none left, nothing is removed (each left)."""
+    left_s = REMOVE_TIMEOUT_S if engine.deadline is None else min(REMOVE_TIMEOUT_S, engine.deadline - time.monotonic())
+    if not entries:
+        return [], []
+    if left_s <= 0:
+        return [], [(e, "not removed: the task's timeout was reached") for e in entries]
+    return remove(place, entries, since, left_s)

@@ -203,7 +203,11 @@ options:
           - A folder is not cleaned, with the reason in RV(shm_skipped), when it is one mount with a folder outside the
             scope (a container's C(/dev/shm) that is the node's own, by a bind mount, without O(host_processes)), when a
             process that could not be read may use it, when a part of its path is a symlink (a Debian-style
-            C(/dev/shm -> /run/shm)), or when it does not answer in time (a hung mount).
+            C(/dev/shm -> /run/shm)), or when it does not answer in time (a hung mount). Inside a container the node's
+            processes cannot be seen, so a C(/dev/shm) made outside the container (owned by an owner it does not map),
+            a part of another file system bound in, or a mount bound in from outside (C(master:) in
+            C(/proc/self/mountinfo)) is skipped too, to be cleaned from the node. From a node, no folder is cleaned while a
+            node process cannot be read (it reaches every container's folder).
           - Check mode lists what would be removed (RV(shm_residue)) and removes nothing.
           - A file that could not be removed fails the task, naming it (RV(shm_left)); a folder not cleaned does not.
         type: bool

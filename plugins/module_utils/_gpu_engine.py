@@ -592,8 +592,11 @@ class Engine(object):
             mountinfo = procscan.read_text("/proc/self/mountinfo")
         except OSError:
             mountinfo = ""
-        overflow = tuple(node.overflow_id(kind) for kind in ("uid", "gid"))
-        return shm.foreign_why(place, overflow, shm.mount_of(self.shm_dir, mountinfo))
+        return shm.foreign_why(place, self.foreign_owner(), shm.mount_of(self.shm_dir, mountinfo, place["dev"]))
+
+    def foreign_owner(self):
+        """Inside a container, the (uid, gid) an owner it does not map shows as; None elsewhere."""
+        return tuple(node.overflow_id(kind) for kind in ("uid", "gid")) if self.view == "container" else None
 
     def _read_place(self, root, parts, mnt):
         """One /dev/shm folder: {path, label, root, parts, mnt, dev, entries (None: not read), why (not read)}."""
@@ -649,7 +652,7 @@ class Engine(object):
         """The report's residue by place (shm_residue: this host's; shm_residue_by_container from a node) and the
         folders skipped, as _shm.judge weighs the places and their users."""
         used, names, unreadable = self.shm_users(scan, places)
-        judged = shm.judge(places, used, names, unreadable, since, self.shm_prefixes)
+        judged = shm.judge(places, used, names, unreadable, since, self.shm_prefixes, self.foreign_owner())
         report.shm_places, report.shm_judged = places, judged
         public = dict((key, [dict((k, e[k]) for k in ("path", "bytes", "owner")) for e in verdict["residue"]])
                       for key, verdict in judged.items())

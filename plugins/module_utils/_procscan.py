@@ -39,7 +39,7 @@ CAPS = {"cmdline": ARGS_CAP, "environ": ARGS_CAP, "maps": MAPS_CAP, "tcp": MAPS_
 # the kernel can hold that lock, or make readers queue behind it, forever, and no signal ends the read.
 MM_LOCK_READ_RE = re.compile(r"/(\d+)/(?:task/\d+/)?(?:maps|cmdline|environ)$")
 _HEADER = struct.Struct("<IiIII")  # request id, errno (0: read), size (bytes, or fd entries), length of the data, 1: cut
-WHOLE, KEEP_LINES, FD_TARGETS, LISTING = "R", "M", "F", "S"
+WHOLE, KEEP_LINES, FD_TARGETS, LISTING, ONE_STAT = "R", "M", "F", "S", "T"
 BATCH = 128   # processes per batch of a scan: its requests stay well below a pipe's 64 KiB
 
 # Runs in the reader process: "ID OP KEEP CAP PATH" per line on stdin (KEEP: markers joined by NUL, in hex, or -; CAP:
@@ -48,7 +48,9 @@ BATCH = 128   # processes per batch of a scan: its requests stay well below a pi
 # F: the targets of an fd directory's links that start with a marker or socket:[, NUL-separated; S: the folder reached
 # from PATH through the names in KEEP, each opened with O_NOFOLLOW (a link on the way is ELOOP or ENOTDIR, never
 # followed), as "DEV INO UID GID" and one "MODE DEV INO SIZE MTIME_NS RDEV UID GID NAME" per entry, NUL-separated;
-# an F target under /dev/shm/ carries "\x01DEV INO" of the open file (a stat of the fd link). An OP ending
+# an F target under /dev/shm/ carries "\x01DEV INO" of the open file (from fdinfo and mountinfo, procfs only); T: the
+# mode and device number of the last name in KEEP, the folders before it opened with O_NOFOLLOW, itself not followed,
+# as "MODE RDEV". An OP ending
 # in "." ends a batch, whose answers are flushed then; a read that has taken over 50 ms has the answers before
 # it flushed by a watchdog thread, so a missing answer is always the one being read.
 READER_SOURCE = r"""
@@ -77,11 +79,25 @@ def whole(path, cap):
         return data[:cap], len(data) > cap
     finally:
         os.close(fd)
+def fd_identity(path, name, mounts):
+    # b"\x01DEV INO" of an open file from procfs alone (fdinfo's mnt_id and ino, mountinfo's device of that mount):
+    # never a stat through the fd link, which would ask the file's own file system (a hung FUSE mount blocks it)
+    base = path.rstrip(b"/")[:-2]
+    try:
+        with open(base + b"fdinfo/" + name, "rb") as f:
+            info = dict(l.split(b":", 1) for l in f.read().split(b"\n") if b":" in l)
+        if not mounts:
+            with open(base + b"mountinfo", "rb") as f:
+                mounts.update((l.split(b" ")[0], l.split(b" ")[2]) for l in f.read().split(b"\n") if l.count(b" ") > 2)
+        major, minor = mounts[info[b"mnt_id"].strip()].split(b":")
+        return b"\x01%d %d" % (os.makedev(int(major), int(minor)), int(info[b"ino"].strip()))
+    except (OSError, KeyError, ValueError):
+        return b""
 def fd_targets(path, keep):
     dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         names = os.listdir(path)
-        kept = []
+        kept, mounts = [], {}
         readlink = os.readlink
         for name in names:
             try:
@@ -90,11 +106,7 @@ def fd_targets(path, keep):
                 continue
             if target.startswith(keep) or target.startswith(b"socket:["):
                 if target.startswith(b"/dev/shm/"):
-                    try:
-                        st = os.stat(name, dir_fd=dir_fd)
-                        target += b"\x01%d %d" % (st.st_dev, st.st_ino)
-                    except OSError:
-                        pass
+                    target += fd_identity(path, name, mounts)
                 kept.append(target)
         return len(names), b"\0".join(kept)
     finally:
@@ -119,6 +131,17 @@ def listing(path, parts):
         return len(names), b"\0".join(rows)
     finally:
         os.close(fd)
+def one_stat(path, parts):
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for part in parts[:-1]:
+            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = child
+        e = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
+        return 1, b"%d %d" % (e.st_mode, e.st_rdev)
+    finally:
+        os.close(fd)
 keeps = {b"-": None}
 for line in sys.stdin.buffer:
     request, op, keep, cap, path = line[:-1].split(b" ", 4)
@@ -132,6 +155,8 @@ for line in sys.stdin.buffer:
             size, data = fd_targets(path, keep)
         elif op[:1] == b"S":
             size, data = listing(path, keep)
+        elif op[:1] == b"T":
+            size, data = one_stat(path, keep)
         else:
             data, cut = whole(path, int(cap))
             size = len(data)
@@ -534,27 +559,29 @@ def parse_maps_devices(data, devices):
 def gpu_minor(path, devices, root="/", folders=None, timeout=None):
     """Minor of the GPU behind a /dev/nvidiaN path seen under root, or None for other nodes.
 
-    A character device is identified by st_rdev, anything else (the lab) by its name. The device's folder is
-    read under root by list_folder (bounded, no link followed on the way, nor the device itself: a link there is
-    known by its name only); folders caches the listings by (root, folder).
+    A character device is identified by st_rdev, anything else (the lab) by its name. The device is read under
+    root by READER (bounded; each folder on the way opened with O_NOFOLLOW, the device itself not followed: a link
+    there is known by its name only). One that does not answer in time (a hung mount) is None: unknown, never
+    guessed from its name. folders caches the answers by (root, path).
     """
     kind = devices.classify(path)
     if not kind or kind[0] != "gpu":
         return None
-    folder, name = os.path.split(devices.strip(path))
-    key = (root, folder)
-    listing = None if folders is None else folders.get(key)
-    if listing is None:
-        try:
-            listing = dict((e["name"], e) for e in list_folder(root, [p for p in folder.split("/") if p], timeout)["entries"])
-        except OSError:
-            listing = {}
-        if folders is not None:
-            folders[key] = listing
-    entry = listing.get(name)
-    if entry is None or not stat_mod.S_ISCHR(entry["mode"]):
-        return kind[1]
-    return rdev_minor(entry["rdev"])
+    key = (root, devices.strip(path))
+    if folders is not None and key in folders:
+        return folders[key]
+    parts = tuple(p.encode() for p in devices.strip(path).split("/") if p)
+    answer = READER.read_many([(ONE_STAT, root, parts)], timeout=timeout)[0]
+    if isinstance(answer, ReadBlocked):
+        minor = None
+    elif isinstance(answer, OSError):
+        minor = kind[1]
+    else:
+        mode, rdev = (int(v) for v in answer[1].split())
+        minor = rdev_minor(rdev) if stat_mod.S_ISCHR(mode) else kind[1]
+    if folders is not None:
+        folders[key] = minor
+    return minor
 
 
 def rdev_gpu_minor(st):

@@ -1399,6 +1399,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         """A free outcome with clean_shm: the residue the report read listed (check mode) or removed, said in msg."""
         if failed or not opts.get("shm_prefixes"):
             return failed, msg, res
+        lost = getattr(locks, "lost_words", lambda: None)()
+        if lost:
+            return True, "%s; /dev/shm was not cleaned: %s" % (msg, lost), res
         found, removed, left, skipped = shmclean.clean(engine, report, releaser.scope, started_epoch, check_mode,
                                                        opts["shm_prefixes"])
         res.update(shm_residue=found, shm_removed=removed, shm_left=left, shm_skipped=skipped)
@@ -1413,7 +1416,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
             msg += "; %d shared-memory residue files removed%s" % (len(removed), "" if not left else ", %d left (%s)" % (
                 len(left), "; ".join("%s: %s" % (e["path"], e["why"]) for e in left)))
         res["elapsed_s"] = round(time.monotonic() - started, 3)
-        return bool(left), msg, res
+        return any(not e.get("kept") for e in left), msg, res
 
     def read_shm(on):
         """clean_shm: /dev/shm is read by the first and the last snapshot only (residue older than the start)."""
@@ -1446,86 +1449,91 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                     result, per_container=skipped_entries(skipped), elapsed_s=round(time.monotonic() - started, 3))
         result["lock_wait_s"] = round(locks.waited_s, 3)
         result["lock_acquired_at"] = round(time.time(), 3)
-    read_shm(True)
-    try:
-        before = releaser.snapshot()
-        read_shm(False)
-        result.update(releaser.evidence)
-        late = releaser.late_read(before)
-        if late:
-            result["diagnosis"] = list(before.diagnosis)
-            return finish(True, "%s (timeout %ss)" % (late, opts.get("timeout")), before, None)
-        broken = before.errors
-        if broken:
-            msg = "; ".join("GPU %s%s: %s" % (g["index"], " (%s)" % g["uuid"] if g.get("uuid") else "", g["error"])
-                            for g in broken)
-            result["diagnosis"] = list(before.diagnosis)
-            return finish(True, "NVML failed, nothing was signalled: " + msg, before, None)
-        if targets_free(before, own()):
-            estimate = "" if free_words(before) == "verified free" else " (by estimate: %s)" % ESTIMATE_WHY
-            msg = ("every targeted GPU is already free" + estimate if before.all_free else
-                   "nothing of %s holds the targeted GPUs (shared_gpu: own): %s"
-                   % (releaser.scope.describe(), share_words(before, releaser.scope)))
-            return with_shm(before, *finish(False, msg, before, before))
-        reset_refusals = releaser.plan_reset(before)
-        if reset_refusals:
-            result["diagnosis"] = list(before.diagnosis)
-            return finish(True, "gpu_reset: a reset would be blocked (reset_blockers: %s), nothing was signalled: %s"
-                          % (releaser.reset_mode, " | ".join(reset_refusals)), before, None)
-        releaser.prepare(before)
-        _leave_out_refused(releaser, before, refused)
-        if releaser.refusals:
-            result["diagnosis"] = list(before.diagnosis)
-            return finish(True, " | ".join(releaser.refusals), before, None)
-        found = releaser.find_units(before)
-        if check_mode:
-            result["diagnosis"] = list(before.diagnosis)
-            return with_shm(before, *finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (
-                len(releaser.plan), "" if not found else ", after %d units stopped" % len(found),
-                refused_words(refused)), before, None))
-        if getattr(locks, "lost_words", lambda: None)():
-            return finish(True, "%s; nothing was signalled" % locks.lost_words(), before, None)
-        try:
-            if found:
-                fresh = _after_stops(releaser, found, refused)
-                if releaser.refusals:
-                    after = releaser.snapshot()
-                    return finish(True, " | ".join(releaser.refusals), before, after)
-                if fresh is not None:
-                    releaser.run(fresh)
-            else:
-                releaser.run(before)
-        except ReleaseTimeout as exc:
-            after = releaser.snapshot()
-            return finish(True, "%s (timeout %ss)" % (exc, opts.get("timeout")), before, after)
+
+    def locked():
+        """From the first snapshot to the verdict and the /dev/shm removals, under the GPU locks."""
         read_shm(True)
-        after = releaser.snapshot()
-        lost = getattr(locks, "lost_words", lambda: None)()
-    finally:
-        read_shm(False)
         try:
-            releaser.restore_all()    # a restore still registered (an error, a hard stop) runs before the locks go
+            before = releaser.snapshot()
+            read_shm(False)
+            result.update(releaser.evidence)
+            late = releaser.late_read(before)
+            if late:
+                result["diagnosis"] = list(before.diagnosis)
+                return finish(True, "%s (timeout %ss)" % (late, opts.get("timeout")), before, None)
+            broken = before.errors
+            if broken:
+                msg = "; ".join("GPU %s%s: %s" % (g["index"], " (%s)" % g["uuid"] if g.get("uuid") else "", g["error"])
+                                for g in broken)
+                result["diagnosis"] = list(before.diagnosis)
+                return finish(True, "NVML failed, nothing was signalled: " + msg, before, None)
+            if targets_free(before, own()):
+                estimate = "" if free_words(before) == "verified free" else " (by estimate: %s)" % ESTIMATE_WHY
+                msg = ("every targeted GPU is already free" + estimate if before.all_free else
+                       "nothing of %s holds the targeted GPUs (shared_gpu: own): %s"
+                       % (releaser.scope.describe(), share_words(before, releaser.scope)))
+                return with_shm(before, *finish(False, msg, before, before))
+            reset_refusals = releaser.plan_reset(before)
+            if reset_refusals:
+                result["diagnosis"] = list(before.diagnosis)
+                return finish(True, "gpu_reset: a reset would be blocked (reset_blockers: %s), nothing was signalled: %s"
+                              % (releaser.reset_mode, " | ".join(reset_refusals)), before, None)
+            releaser.prepare(before)
+            _leave_out_refused(releaser, before, refused)
+            if releaser.refusals:
+                result["diagnosis"] = list(before.diagnosis)
+                return finish(True, " | ".join(releaser.refusals), before, None)
+            found = releaser.find_units(before)
+            if check_mode:
+                result["diagnosis"] = list(before.diagnosis)
+                return with_shm(before, *finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (
+                    len(releaser.plan), "" if not found else ", after %d units stopped" % len(found),
+                    refused_words(refused)), before, None))
+            if getattr(locks, "lost_words", lambda: None)():
+                return finish(True, "%s; nothing was signalled" % locks.lost_words(), before, None)
+            try:
+                if found:
+                    fresh = _after_stops(releaser, found, refused)
+                    if releaser.refusals:
+                        after = releaser.snapshot()
+                        return finish(True, " | ".join(releaser.refusals), before, after)
+                    if fresh is not None:
+                        releaser.run(fresh)
+                else:
+                    releaser.run(before)
+            except ReleaseTimeout as exc:
+                after = releaser.snapshot()
+                return finish(True, "%s (timeout %ss)" % (exc, opts.get("timeout")), before, after)
+            read_shm(True)
+            after = releaser.snapshot()
+            lost = getattr(locks, "lost_words", lambda: None)()
         finally:
-            locks.release()
-    if releaser.failure:
-        return finish(True, releaser.failure, before, after)
-    if lost:
-        return finish(True, "%s, during this release: its outcome is not trusted" % lost, before, after)
-    if releaser.missing:
-        return finish(True, "GPU %s is not free: NVML no longer lists it after it was opened again (a reset that "
-                      "did not bring the GPU back, or a driver restart); find it with nvidia-smi on the node"
-                      % ", ".join(releaser.missing), before, after)
-    if targets_free(after, own()):
-        words = free_words(after)
-        msg = (words if after.all_free else "%s of %s (shared_gpu: own): %s"
-               % (words, releaser.scope.describe(), share_words(after, releaser.scope)))
-        return with_shm(after, *finish(bool(refused), msg + refused_words(refused), before, after))
-    busy = [g for g in after.gpus if not (free_for_scope(after, g, own()) if own() else g["free"])]
-    tried = ", ".join("%s to %d: %s" % (a["signal"], a["pid"], a["outcome"]) if a["pid"] else
-                      "%s %s: %s" % (a["signal"], a["name"], a["outcome"]) for a in releaser.actions) or "nothing"
-    failed, msg, res = finish(True, "", before, after)
-    res_msg = ("GPU %s not free after the ladder (used %s MiB, threshold %s MiB); tried: %s; diagnosis: %s%s"
-               % (", ".join(str(g["index"]) for g in busy),
-                  ", ".join(str((g.get("memory") or {}).get("used_mib")) for g in busy),
-                  engine.threshold_mib, tried, " | ".join(res["diagnosis"]), refused_words(refused)))
-    return failed, res_msg + msg, res   # msg: what finish() adds (containers whose state is unknown)
+            read_shm(False)
+            releaser.restore_all()    # a restore still registered (an error, a hard stop) runs before the locks go
+        if releaser.failure:
+            return finish(True, releaser.failure, before, after)
+        if lost:
+            return finish(True, "%s, during this release: its outcome is not trusted" % lost, before, after)
+        if releaser.missing:
+            return finish(True, "GPU %s is not free: NVML no longer lists it after it was opened again (a reset that "
+                          "did not bring the GPU back, or a driver restart); find it with nvidia-smi on the node"
+                          % ", ".join(releaser.missing), before, after)
+        if targets_free(after, own()):
+            words = free_words(after)
+            msg = (words if after.all_free else "%s of %s (shared_gpu: own): %s"
+                   % (words, releaser.scope.describe(), share_words(after, releaser.scope)))
+            return with_shm(after, *finish(bool(refused), msg + refused_words(refused), before, after))
+        busy = [g for g in after.gpus if not (free_for_scope(after, g, own()) if own() else g["free"])]
+        tried = ", ".join("%s to %d: %s" % (a["signal"], a["pid"], a["outcome"]) if a["pid"] else
+                          "%s %s: %s" % (a["signal"], a["name"], a["outcome"]) for a in releaser.actions) or "nothing"
+        failed, msg, res = finish(True, "", before, after)
+        res_msg = ("GPU %s not free after the ladder (used %s MiB, threshold %s MiB); tried: %s; diagnosis: %s%s"
+                   % (", ".join(str(g["index"]) for g in busy),
+                      ", ".join(str((g.get("memory") or {}).get("used_mib")) for g in busy),
+                      engine.threshold_mib, tried, " | ".join(res["diagnosis"]), refused_words(refused)))
+        return failed, res_msg + msg, res   # msg: what finish() adds (containers whose state is unknown)
+
+    try:
+        return locked()
+    finally:
+        locks.release()

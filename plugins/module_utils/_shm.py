@@ -16,6 +16,7 @@ Pure: the folders, users and unreadable processes come read (the engine), the re
 
 from __future__ import annotations
 
+import os
 import stat as stat_mod
 
 SEM_PREFIX = "sem."
@@ -85,11 +86,13 @@ def unreadable_why(group, places, unreadable):
     return None
 
 
-def _residue(place, used, names, since, prefixes, seen):
+def _residue(place, used, names, since, prefixes, seen, foreign):
     out = []
     for entry in place["entries"]:
         owner = owner_of(entry["name"], prefixes)
         identity = (entry["dev"], entry["ino"])
+        if foreign and (entry.get("uid") == foreign[0] or entry.get("gid") == foreign[1]):
+            continue    # an owner this container does not map: made outside it, by users it cannot see
         if (owner and stat_mod.S_ISREG(entry["mode"]) and identity not in used and identity not in seen
                 and entry["name"] not in names and entry["mtime"] < since):
             seen.add(identity)
@@ -98,13 +101,14 @@ def _residue(place, used, names, since, prefixes, seen):
     return out
 
 
-def judge(places, used, names, unreadable, since, prefixes=PREFIXES):
+def judge(places, used, names, unreadable, since, prefixes=PREFIXES, foreign=None):
     """{key: {"residue": [...], "skipped": why or None}} of each place (key None: this host's /dev/shm, vmid: a
     container's), each {path, dev, mnt, entries (None: not read), why}.
 
     used: {(st_dev, st_ino)} some process maps; names: {key or UNKNOWN: names its processes' fds or maps name};
-    unreadable: [{pid, key, mnt, reason}] processes not read. A file on one mount shows in each folder of it: it is
-    listed once, under the first (this host's, then by vmid)."""
+    unreadable: [{pid, key, mnt, reason, everywhere}] processes not read. A file on one mount shows in each folder
+    of it: it is listed once, under the first (this host's, then by vmid). foreign (inside a container): the
+    (uid, gid) an owner it does not map shows as; such a file is never residue (its users are not seen here)."""
     groups = sharing(places)
     out, seen = {}, set()
     for key in sorted(places, key=place_order):
@@ -115,12 +119,14 @@ def judge(places, used, names, unreadable, since, prefixes=PREFIXES):
             out[key] = {"residue": [], "skipped": why}
             continue
         named = set(names.get(UNKNOWN, ())).union(*(names.get(k, ()) for k in group))
-        out[key] = {"residue": _residue(place, used, named, since, prefixes, seen), "skipped": None}
+        out[key] = {"residue": _residue(place, used, named, since, prefixes, seen, foreign), "skipped": None}
     return out
 
 
-def mount_of(path, mountinfo):
-    """The /proc/self/mountinfo entry of the mount path is on: {mount_point, root, optional, fstype}, or None."""
+def mount_of(path, mountinfo, dev=None):
+    """The /proc/self/mountinfo entry of the mount path is on: {mount_point, root, optional, fstype}, or None. Of
+    mounts on one point the last (the one on top) counts; with dev (the folder's st_dev), None unless it is that
+    mount's device."""
     best = None
     for line in mountinfo.splitlines():
         fields = line.split(" ")
@@ -130,7 +136,11 @@ def mount_of(path, mountinfo):
         point = fields[4].encode().decode("unicode_escape")
         if (path == point or path.startswith(point.rstrip("/") + "/")) and (best is None or len(point) >= len(best["mount_point"])):
             best = {"mount_point": point, "root": fields[3].encode().decode("unicode_escape"), "optional": fields[6:sep],
-                    "fstype": fields[sep + 1] if len(fields) > sep + 1 else None}
+                    "fstype": fields[sep + 1] if len(fields) > sep + 1 else None, "device": fields[2]}
+    if best is not None and dev is not None and best.pop("device") != "%d:%d" % (os.major(dev), os.minor(dev)):
+        return None
+    if best is not None:
+        best.pop("device", None)
     return best
 
 
@@ -140,12 +150,9 @@ def foreign_why(place, overflow, mount):
     shows as; mount: mount_of the folder."""
     if place["entries"] is None:
         return None
-    odd = [e["name"] for e in place["entries"] if (e.get("uid"), e.get("gid")) != (None, None) and (
-        e["uid"] == overflow[0] or e["gid"] == overflow[1])]
-    if place.get("uid") == overflow[0] or place.get("gid") == overflow[1] or odd:
-        return ("%s is owned by an owner this container does not map (uid %d): made outside it, a folder of the "
-                "node's bound in, whose users this container cannot see: clean it from the node" % (
-                    "it" if not odd else odd[0], overflow[0]))
+    if place.get("uid") == overflow[0] or place.get("gid") == overflow[1]:
+        return ("it is owned by an owner this container does not map (uid %d): made outside it, a folder of the "
+                "node's bound in, whose users this container cannot see: clean it from the node" % overflow[0])
     if mount is None:
         return "its mount cannot be found in /proc/self/mountinfo: whose users it has cannot be told"
     if mount["root"] != "/":

@@ -86,7 +86,7 @@ def _judged_again(engine, since, prefixes):
     """The places, read again, and their verdicts on fresh evidence (every process's users read again)."""
     places = engine.shm_places()
     used, names, unreadable = engine.shm_users(engine.scan(places), places)
-    return places, shm.judge(places, used, names, unreadable, since, prefixes)
+    return places, shm.judge(places, used, names, unreadable, since, prefixes, engine.foreign_owner())
 
 
 def remove(place, entries, since, timeout):
@@ -129,9 +129,11 @@ def clean(engine, report, scope, since, check_mode, prefixes):
         elif found[key]:
             still = set((e["dev"], e["ino"]) for e in judged[key]["residue"])
             done, not_done = _remove_in_time(engine, places[key], [e for e in found[key] if (e["dev"], e["ino"]) in still],
-                                             since)   # one in use again is no residue: kept
+                                             since)
             removed += [shm.shown(e, vmid) for e in done]
             left += [dict(shm.shown(e, vmid), why=why) for e, why in not_done]
+            left += [dict(shm.shown(e, vmid), why="in use, or changed, when read again right before the removals: kept",
+                          kept=True) for e in found[key] if (e["dev"], e["ino"]) not in still]
     return listed, removed, left, skipped
 
 

@@ -802,7 +802,9 @@ shm_removed:
   elements: dict
   sample: [{"path": "/dev/shm/nccl-Xk3a9Q", "bytes": 9437184, "owner": "nccl", "vmid": 101}]
 shm_left:
-  description: With O(advanced.clean_shm), residue files not removed, each with C(why).
+  description:
+    - With O(advanced.clean_shm), residue files not removed, each with C(why); these fail the task.
+    - One in use, or changed, when read again right before the removals has C(kept) true and fails nothing.
   returned: with O(advanced.clean_shm), when the targeted GPUs end free
   type: list
   elements: dict

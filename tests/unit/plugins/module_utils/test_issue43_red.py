@@ -47,6 +47,7 @@ def test_red1_in_a_container_a_dev_shm_bound_from_the_node_loses_a_node_jobs_liv
     ct_shm = world.shared_shm("101")
     live = segment(world.node_shm, "nccl-live")
     os.chown(live, OVERFLOW_UID, OVERFLOW_UID)     # the node root's file, as the container sees its owner
+    os.chown(world.node_shm, OVERFLOW_UID, OVERFLOW_UID)   # and the node root's folder
     # the node's trainer (pid 700 on the node) maps it; it is not in the container's /proc
     engine = container_engine(world, monkeypatch, ct_shm)
     failed, msg, result = release(engine, [0], dict(lock_timeout=2.0, shm_prefixes=shm.PREFIXES),
@@ -203,3 +204,18 @@ def test_red5_a_release_whose_container_lock_helper_dies_signals_nothing(world, 
                                   lock_dir=str(world.tmp / "node-lock"), deadline=time.monotonic() + 30)
     assert len(helpers) == 1 and sent == [], (sent, msg)
     assert failed and "the GPU lock of container 101 was lost" in msg and msg.endswith("nothing was signalled"), msg
+
+
+def test_red1_a_file_of_an_owner_the_container_does_not_map_is_never_its_residue(world, monkeypatch, reader):  # noqa: F811
+    """The same node file in a folder of the container's own (owned by its root): the folder is judged, but a file
+    of an owner the container does not map (made outside it, by users it cannot see) is never its residue."""
+    ct_shm = world.own_shm("101")
+    foreign = segment(ct_shm, "nccl-from-outside")
+    os.chown(foreign, OVERFLOW_UID, OVERFLOW_UID)
+    segment(ct_shm, "nccl-leak")
+    engine = container_engine(world, monkeypatch, ct_shm)
+    failed, msg, result = release(engine, [0], dict(lock_timeout=2.0, shm_prefixes=shm.PREFIXES),
+                                  lock_dir=str(world.tmp / "ct-lock"), deadline=time.monotonic() + 30)
+    assert not failed and result["shm_skipped"] == [], (msg, result)
+    assert [e["path"].rsplit("/", 1)[1] for e in result["shm_removed"]] == ["nccl-leak"], result
+    assert names(ct_shm) == ["nccl-from-outside"]

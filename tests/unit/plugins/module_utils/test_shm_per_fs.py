@@ -282,8 +282,8 @@ def test_h2_a_lock_folder_on_a_mount_that_never_answers_leaves_the_container_out
 
 def test_users_are_read_again_right_before_the_removals(world, monkeypatch, reader):
     """A segment judged residue that a process maps by the time the removals start (a restarted server attaching to
-    it) is kept: the folders and every process's users are read and judged again first. One with no user is
-    removed."""
+    it) is kept, and said so (shm_left, kept, which fails nothing): the folders and every process's users are read
+    and judged again first. One with no user is removed."""
     world.own_shm("101")
     attached = segment(world.shm_of("101"), "nccl-attached")
     segment(world.shm_of("101"), "nccl-leak")
@@ -302,5 +302,6 @@ def test_users_are_read_again_right_before_the_removals(world, monkeypatch, read
     assert len(reads) == 2
     assert sorted(e["path"].rsplit("/", 1)[1] for e in result["shm_residue"]) == ["nccl-attached", "nccl-leak"]
     assert [e["path"].rsplit("/", 1)[1] for e in result["shm_removed"]] == ["nccl-leak"]
-    assert result["shm_left"] == [] and not failed, (msg, result)
+    assert [(e["path"].rsplit("/", 1)[1], e["kept"]) for e in result["shm_left"]] == [("nccl-attached", True)], result
+    assert not failed, (msg, result)
     assert names(world.shm_of("101")) == ["nccl-attached"]

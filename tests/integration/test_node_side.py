@@ -612,8 +612,8 @@ def test_clean_shm_removes_only_residue_from_the_node_and_inside_and_check_mode_
         clean.exec(102, "sh", "-c", "rm -f /dev/shm/nccl-leak /dev/shm/PostgreSQL.1 /dev/shm/sgl_live")
 
 
-# Issue 43, S1 in the lab. The lab node's /dev/shm is the host's (nodeinit binds /dev's submounts back), so the
-# world first stacks a tmpfs of the node's own on it, in the node's mount namespace only, then binds that tmpfs
+# Issue 43, S1 in the lab. The lab node's /dev/shm is a tmpfs of its own (nodeinit; never the host's); the world
+# still stacks a tmpfs on it, in the node's mount namespace only, so that undoing it is exact, then binds that tmpfs
 # over container 101's own /dev/shm: open_tree(OPEN_TREE_CLONE) on the node, setns into the container's mount
 # namespace, move_mount (a plain bind cannot take its source from another mount namespace). `unbind` undoes it,
 # top mount first, and only mounts whose source is NODE_SHM_SOURCE: never the container's own tmpfs nor the host's.
@@ -739,7 +739,7 @@ def _shared_shm_facts(lab, before, world):
     user = world["user"]
     with open("/proc/%d/cgroup" % user if user else "/dev/null") as f:
         cgroup = f.read()
-    return {"bound": (world["rc"], world["output"]), "node_was_the_hosts": before["node"] == before["host"],
+    return {"bound": (world["rc"], world["output"]), "node_was_its_own": before["node"] != before["host"],
             "node_own": world["node"] != world["host"], "container_was_its_own": before["container"] != before["node"],
             "container_is_node": world["container"] == world["node"], "files_written": world["files"],
             "user_mapped": bool(user), "user_in_no_container": bool(user) and "/lxc/" not in cgroup,
@@ -750,7 +750,7 @@ def _shared_shm_facts(lab, before, world):
             "names_node": _node_shm_names(world), "names_container": _shm_names(lab, 101)}
 
 
-SHARED_SHM_WORLD = {"bound": (0, ""), "node_was_the_hosts": True, "node_own": True, "container_was_its_own": True,
+SHARED_SHM_WORLD = {"bound": (0, ""), "node_was_its_own": True, "node_own": True, "container_was_its_own": True,
                     "container_is_node": True, "files_written": 0, "user_mapped": True, "user_in_no_container": True,
                     "user_on_the_node": True, "live_mtime_old": True,
                     "names_node": ["PostgreSQL.1", "nccl-leak", "nccl-live"],

@@ -12,8 +12,8 @@ whose top layer (STATE/nodes/NODE/etc-layer) holds /etc/pve (`lxc` -> the node's
 `ha` -> STATE/pve/ha; `nodes/NAME/lxc`; `local`); the lab ld.so.cache on /etc/ld.so.cache;
 /run/nvidia-lab = STATE/driver; /run/lock (root, 1777, as on Debian); a read-only overlay on /dev
 whose top layer has empty mountpoints for the fake device files, each then bound from
-STATE/nodes/NODE/dev (same inodes as in the containers), with /dev's own submounts (pts, shm,
-mqueue, ...) bound back; the node's bin folder (the fake nvidia-smi) overlaid on /usr/bin.
+STATE/nodes/NODE/dev (same inodes as in the containers), with /dev's own submounts (pts, mqueue, ...)
+bound back and a tmpfs of its own on /dev/shm (never the host's); the node's bin folder (the fake nvidia-smi) overlaid on /usr/bin.
 Then it runs supervisord (program nvidia-persistenced, the lab's stand-in, not started: `supervisorctl start
 nvidia-persistenced` on the node; the node's daemons run under supervisord, having no systemd) and sshd -D, and
 reaps orphans (LXC monitors, container launchers) until SIGTERM.
@@ -82,6 +82,9 @@ def _join(cgroup):
 
 DEV_NAMES = ("nvidiactl", "nvidia-uvm", "nvidia-uvm-tools", "nvidia-caps/nvidia-cap1", "nvidia-caps/nvidia-cap2")
 HOST_DEV = "/run/gpuops-lab-hostdev"  # the host's /dev with its submounts, for a moment (node's /run)
+# the node's own /dev/shm (a tmpfs in its mount namespace): what the engine reads and clean_shm may clean from the
+# node is never the host's (issue 43)
+NODE_SHM_SOURCE = "gpuops-lab-node-devshm"
 
 
 def fake_devices(gpus):
@@ -140,9 +143,11 @@ def setup_dev(cfg):
     sysutil.mount("/dev", HOST_DEV, None, sysutil.MS_BIND | sysutil.MS_REC)
     sysutil.mount(OVERLAY_SOURCE, "/dev", "overlay", sysutil.MS_RDONLY | sysutil.MS_NOSUID,
                   "lowerdir=%s:/dev" % layer)
-    for point in subs:  # pts, shm, mqueue, hugepages: bound back where they were
-        if os.path.isdir(point):
+    for point in subs:  # pts, mqueue, hugepages: bound back where they were
+        if point != "/dev/shm" and os.path.isdir(point):
             sysutil.mount(HOST_DEV + point[len("/dev"):], point, None, sysutil.MS_BIND | sysutil.MS_REC)
+    if os.path.isdir("/dev/shm"):   # never the host's: a tmpfs of the node's own
+        sysutil.mount(NODE_SHM_SOURCE, "/dev/shm", "tmpfs", sysutil.MS_NOSUID | sysutil.MS_NODEV, "mode=1777")
     sysutil.umount(HOST_DEV)
     os.rmdir(HOST_DEV)
     dev_dir = os.path.join(cfg["node_dir"], "dev")

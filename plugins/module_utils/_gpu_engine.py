@@ -654,8 +654,7 @@ class Engine(object):
         used, names, unreadable = self.shm_users(scan, places)
         judged = shm.judge(places, used, names, unreadable, since, self.shm_prefixes, self.foreign_owner())
         report.shm_places, report.shm_judged = places, judged
-        public = dict((key, [dict((k, e[k]) for k in ("path", "bytes", "owner")) for e in verdict["residue"]])
-                      for key, verdict in judged.items())
+        public = dict((key, [shm.public(e) for e in verdict["residue"]]) for key, verdict in judged.items())
         report.shm_residue = public[None]
         if self.view == "node":
             report.shm_residue_by_container = dict((k, v) for k, v in public.items() if k is not None)

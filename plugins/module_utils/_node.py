@@ -86,13 +86,8 @@ def container_of_pid(pid, proc_root="/proc", table=None):
 
 def _namespaces(pid, proc_root):
     """{kind: inode} of pid's pid and mount namespaces (pid may be "self"); None when one cannot be read."""
-    out = {}
-    for kind in OWN_NAMESPACES:
-        try:
-            out[kind] = os.stat("%s/%s/ns/%s" % (proc_root, pid, kind)).st_ino
-        except OSError:
-            return None
-    return out
+    out = dict((kind, procscan.namespace_inode(pid, kind, proc_root)) for kind in OWN_NAMESPACES)
+    return None if None in out.values() else out
 
 
 def in_own_namespaces(pid, proc_root="/proc"):

@@ -111,13 +111,21 @@ def fd_targets(path, keep):
         return len(names), b"\0".join(kept)
     finally:
         os.close(dir_fd)
-def listing(path, parts):
+def walk(path, parts):
+    # the folder reached from path through parts, each opened with O_NOFOLLOW (path itself is followed)
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
         for part in parts or ():
             child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
             os.close(fd)
             fd = child
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+def listing(path, parts):
+    fd = walk(path, parts)
+    try:
         st = os.fstat(fd)
         names = os.listdir(fd)
         rows = [b"%d %d %d %d" % (st.st_dev, st.st_ino, st.st_uid, st.st_gid)]
@@ -132,12 +140,8 @@ def listing(path, parts):
     finally:
         os.close(fd)
 def one_stat(path, parts):
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    fd = walk(path, parts[:-1])
     try:
-        for part in parts[:-1]:
-            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = child
         e = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
         return 1, b"%d %d" % (e.st_mode, e.st_rdev)
     finally:

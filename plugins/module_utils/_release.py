@@ -1399,7 +1399,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
         """A free outcome with clean_shm: the residue the report read listed (check mode) or removed, said in msg."""
         if failed or not opts.get("shm_prefixes"):
             return failed, msg, res
-        lost = getattr(locks, "lost_words", lambda: None)()
+        lost = locks.lost_words()
         if lost:
             return True, "%s; /dev/shm was not cleaned: %s" % (msg, lost), res
         found, removed, left, skipped = shmclean.clean(engine, report, releaser.scope, started_epoch, check_mode,
@@ -1489,8 +1489,9 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                 return with_shm(before, *finish(bool(refused), "check mode: %d processes would be signalled%s%s" % (
                     len(releaser.plan), "" if not found else ", after %d units stopped" % len(found),
                     refused_words(refused)), before, None))
-            if getattr(locks, "lost_words", lambda: None)():
-                return finish(True, "%s; nothing was signalled" % locks.lost_words(), before, None)
+            lost = locks.lost_words()
+            if lost:
+                return finish(True, "%s; nothing was signalled" % lost, before, None)
             try:
                 if found:
                     fresh = _after_stops(releaser, found, refused)
@@ -1506,7 +1507,7 @@ def release(engine, targets, options, check_mode=False, log=None, lock_dir=LOCK_
                 return finish(True, "%s (timeout %ss)" % (exc, opts.get("timeout")), before, after)
             read_shm(True)
             after = releaser.snapshot()
-            lost = getattr(locks, "lost_words", lambda: None)()
+            lost = locks.lost_words()
         finally:
             read_shm(False)
             releaser.restore_all()    # a restore still registered (an error, a hard stop) runs before the locks go

@@ -174,6 +174,11 @@ def shared_outside(places, key, in_scope):
         "the node's /dev/shm" if k is None else "container %s's /dev/shm" % k for k in others)
 
 
+def public(entry):
+    """A residue entry as gpu_info shows it."""
+    return {"path": entry["path"], "bytes": entry["bytes"], "owner": entry["owner"]}
+
+
 def shown(entry, vmid):
-    """A residue entry as the result shows it."""
-    return {"path": entry["path"], "bytes": entry["bytes"], "owner": entry["owner"], "vmid": vmid}
+    """A residue entry as gpu_release shows it: with its vmid."""
+    return dict(public(entry), vmid=vmid)

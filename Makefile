@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 SITE := $(VENV)/lib/python3.11/site-packages
 COLL_LINK := $(SITE)/ansible_collections/gpuops/fleet
 WHEELS := .cache/wheels
-APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo openssl python3-venv shellcheck lxc lxcfs
+APT_PACKAGES := openssh-server openssh-client psmisc gcc libc6-dev iproute2 util-linux procps git sudo openssl python3-venv shellcheck lxc lxcfs mmdebstrap
 
 .PHONY: all venv system-packages test sanity pylint-tests unit lint test-lab integration test-stress test-deep test-respawn test-matrix demo bench gpu-facts clean lab-down
 

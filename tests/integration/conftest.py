@@ -16,7 +16,7 @@ MARKERS = {
 }
 REPEAT_FIXTURE = "gpuops_timing_round"
 # Every integration file by its summed test time in make test, longest first (run_all prints the longest).
-LONGEST_FIRST = ("test_node_side.py", "test_playbooks.py", "test_gpu_release.py", "test_connection_pct.py",
+LONGEST_FIRST = ("test_node_side.py", "test_playbooks.py", "test_gpu_release.py", "test_systemd_lab.py", "test_connection_pct.py",
                  "test_role_release_gpus.py", "test_role_fleet_node.py", "test_faults_nvml.py",
                  "test_inventory_proxmox_gpu.py", "test_gpu_facts_lab.py", "test_ee.py", "test_gpu_status.py",
                  "test_multi_gpu.py", "test_unprivileged.py", "test_gpu_report.py")

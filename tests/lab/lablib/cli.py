@@ -30,6 +30,13 @@ def _ints(text):
         raise argparse.ArgumentTypeError("expected comma-separated integers, got %r" % text)
 
 
+def _vmids(text):
+    vmids = [v.strip() for v in text.split(",") if v.strip()]
+    if not vmids or not all(v.isdigit() for v in vmids):
+        raise argparse.ArgumentTypeError("expected VMID[,VMID...], got %r" % text)
+    return vmids
+
+
 def parser():
     p = argparse.ArgumentParser(prog="labctl", description="gpuops.fleet GPU lab (LAB_ID picks the lab)")
     sub = p.add_subparsers(dest="command", required=True)
@@ -47,6 +54,12 @@ def parser():
     up.add_argument("--shared-run-lock", action="append", default=[], metavar="VMID",
                     help="this container bind-mounts the node's /run/lock at its /run/lock "
                          "(lxc.mount.entry in its conf; repeatable)")
+    up.add_argument("--systemd", type=_vmids, action="append", default=[], metavar="VMID[,VMID...]",
+                    help="these containers boot Debian's real systemd as their init, from a root file system of "
+                         "their own (built once with mmdebstrap, cached in .cache/lab-rootfs; repeatable)")
+    up.add_argument("--systemd-node", type=_vmids, action="append", default=[], metavar="VMID[,VMID...]",
+                    help="as --systemd, and the container plays a Proxmox node for the modules run inside it: it "
+                         "has /etc/pve, and its init's environment no container= (node daemons as systemd units)")
     up.add_argument("--free-delay", type=float, default=None, metavar="S",
                     help="seconds a freed allocation stays used and listed (default 0.15)")
     sub.add_parser("down", help="remove every process, cgroup and file of the lab")
@@ -113,7 +126,9 @@ def main(argv):
     try:
         if args.command == "up":
             lab.up(args.nodes, args.containers, args.gpus, dict(args.layout), args.nvml_pids, args.bare,
-                   args.free_delay, args.unprivileged, args.shared_run_lock)
+                   args.free_delay, args.unprivileged, args.shared_run_lock,
+                   [v for group in args.systemd + args.systemd_node for v in group],
+                   [v for group in args.systemd_node for v in group])
             print(json.dumps(lab.status(), sort_keys=True))
         elif args.command == "down":
             lab.down()

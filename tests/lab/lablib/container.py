@@ -72,16 +72,25 @@ def init_pid(ct):
         return None, None
     if os.stat("/proc/self/ns/pid").st_ino == node_config(ct["node_dir"]).get("pidns"):
         return node_pid, node_pid
-    try:  # LXC answers in the monitor's (the node's) pid namespace: find that pid in the container's cgroup
-        with open(os.path.join(ct["cgroup_path"], "cgroup.procs")) as f:
-            members = [int(p) for p in f.read().split()]
-    except FileNotFoundError:
-        members = []
-    for pid in members:
+    # LXC answers in the monitor's (the node's) pid namespace: find that pid in the container's cgroup (or below it:
+    # a systemd container's init moves itself to init.scope)
+    for pid in cgroup_members(ct["cgroup_path"]):
         nspids = _nspids(pid)
         if len(nspids) >= 2 and nspids[1] == node_pid:
             return node_pid, pid
     return node_pid, None
+
+
+def cgroup_members(path):
+    """The pids of a cgroup and of every cgroup below it."""
+    members = []
+    for folder, dummy, dummy in os.walk(path):
+        try:
+            with open(os.path.join(folder, "cgroup.procs")) as f:
+                members += [int(p) for p in f.read().split()]
+        except FileNotFoundError:
+            continue
+    return members
 
 
 def _nspids(pid):

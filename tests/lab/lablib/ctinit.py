@@ -187,10 +187,61 @@ def _stop(sup_pid):
         time.sleep(0.05)
 
 
+def systemd_mounts(cfg):
+    """What a systemd container gets before its init runs: cgroup v2 alone at /sys/fs/cgroup (Proxmox's view: this
+    host's LXC mounted its hybrid tree), a tmpfs /run (systemd keeps a mounted /run) with the driver socket, the
+    stand-in library through the container's own ld.so.cache, the lab's nvidia-smi and MPS tool in /usr/local/sbin."""
+    state = cfg["state"]
+    sysutil.make_rprivate("/")
+    if os.path.ismount("/sys/fs/cgroup"):
+        sysutil.umount("/sys/fs/cgroup")  # lazy: LXC's tmpfs and each hierarchy below it
+    sysutil.mount("cgroup2", "/sys/fs/cgroup", "cgroup2", sysutil.MS_NOSUID | sysutil.MS_NODEV | sysutil.MS_NOEXEC)
+    repo_fd = os.open(REPO_ROOT, os.O_PATH | os.O_DIRECTORY)
+    state_fd = os.open(state, os.O_PATH | os.O_DIRECTORY)
+    sysutil.mount("tmpfs", "/run", "tmpfs", sysutil.MS_NOSUID | sysutil.MS_NODEV, "mode=755")
+    _show_repo_under("/run", repo_fd)
+    os.close(repo_fd)
+    via_fd = "/proc/self/fd/%d/" % state_fd
+    os.mkdir("/run/nvidia-lab")
+    sysutil.bind(via_fd + "driver", "/run/nvidia-lab")
+    lib_dir = os.path.join(state, "lib")
+    os.makedirs(lib_dir)
+    sysutil.bind(via_fd + "lib", lib_dir, readonly=True)
+    for tool in ("nvidia-smi", "nvidia-cuda-mps-control"):
+        sysutil.touch("/usr/local/sbin/" + tool, 0o755)
+        sysutil.bind(via_fd + "sbin/" + tool, "/usr/local/sbin/" + tool, readonly=True)
+    os.close(state_fd)
+    with open("/etc/ld.so.conf.d/gpuops-lab.conf", "w") as f:
+        f.write(lib_dir + "\n")
+    subprocess.run(["/sbin/ldconfig", "-X"], check=False)  # the container's own cache, with the stand-in's folder
+    with open("/etc/hostname", "w") as f:
+        f.write("ct%s\n" % cfg["vmid"])
+
+
+def systemd(config_path):
+    """Init of a systemd container: the lab's mounts, then exec Debian's systemd as pid 1."""
+    with open(config_path) as f:
+        cfg = json.load(f)
+    os.chdir("/")
+    systemd_mounts(cfg)
+    try:
+        sysutil.loopback_up()
+    except OSError:
+        pass
+    env = dict(os.environ, container="lxc")
+    env.pop("NOTIFY_SOCKET", None)
+    if cfg.get("systemd_node"):  # plays a Proxmox node for the modules: /etc/pve, and no container= for pid 1
+        os.makedirs("/etc/pve/lxc", exist_ok=True)
+        env.pop("container", None)
+    os.execve("/sbin/init", ["/sbin/init"], env)
+
+
 def main(argv):
     if len(argv) == 3 and argv[1] == "--inner":
         return inner(argv[2])
-    sys.stderr.write("usage: ctinit.py --inner CONFIG\n")
+    if len(argv) == 3 and argv[1] == "--systemd":
+        return systemd(argv[2])
+    sys.stderr.write("usage: ctinit.py --inner|--systemd CONFIG\n")
     return 2
 
 

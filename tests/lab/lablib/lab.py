@@ -20,6 +20,7 @@ GPU_DEV_SIZE = 4096
 DEFAULT_FREE_DELAY = 0.15  # seconds from the last reference to memory back (the driver's FREE_DELAY_S)
 NODE_USER, NODE_UID = "gpuops", 4242  # non-root node user with sudo (for become on the node)
 UNPRIV_BASE = 100000  # lxc.idmap = u 0 100000 65536: container root on the node
+CT_ROOTS = "/run/gpuops-lab-ct"  # a systemd container's root file system (an overlay), in its node's mount namespace
 WHEELS = os.path.join(REPO, ".cache", "wheels")
 VENV = os.path.join(REPO, ".lab", "venv")
 VENV_BARE = os.path.join(REPO, ".lab", "venv-bare")
@@ -83,7 +84,8 @@ class Lab:
         raise LabError("no container %s in lab %s" % (vmid, self.rid))
 
     # ----- up
-    def shape(self, nodes, containers, gpus, layouts, nvml_pids, bare, unprivileged=(), shared_run_lock=()):
+    def shape(self, nodes, containers, gpus, layouts, nvml_pids, bare, unprivileged=(), shared_run_lock=(), systemd=(),
+              systemd_node=()):
         shape = {"nvml_pids": nvml_pids, "nodes": {}}
         for k in range(1, nodes + 1):
             cts = {}
@@ -96,18 +98,27 @@ class Lab:
                 cts[vmid] = {"minors": minors, "bare": vmid in bare, "unprivileged": vmid in unprivileged}
                 if vmid in shared_run_lock:  # only when set: the shape of a lab without it stays as it was
                     cts[vmid]["shared_run_lock"] = True
+                if vmid in systemd:
+                    cts[vmid]["systemd"] = True
+                if vmid in systemd_node:
+                    cts[vmid]["systemd_node"] = True
             shape["nodes"][node_name(k)] = {"gpus": gpus, "containers": cts}
-        unknown = ((set(layouts) | set(bare) | set(unprivileged) | set(shared_run_lock))
+        unknown = ((set(layouts) | set(bare) | set(unprivileged) | set(shared_run_lock) | set(systemd))
                    - {v for n in shape["nodes"].values() for v in n["containers"]})
         if unknown:
-            raise LabError("--layout/--bare/--unprivileged/--shared-run-lock name vmids not in the lab: %s"
+            raise LabError("--layout/--bare/--unprivileged/--systemd/--shared-run-lock name vmids not in the lab: %s"
                            % ", ".join(sorted(unknown)))
+        both = set(bare) & set(systemd)
+        if both:
+            raise LabError("--bare and --systemd both name %s: a systemd container has its own root file system"
+                           % ", ".join(sorted(both)))
         return shape
 
     def up(self, nodes=2, containers=2, gpus=8, layouts=None, nvml_pids="modern", bare=(), free_delay=None,
-           unprivileged=(), shared_run_lock=()):
+           unprivileged=(), shared_run_lock=(), systemd=(), systemd_node=()):
         shape = self.shape(nodes, containers, gpus, layouts or {}, nvml_pids, [str(b) for b in bare],
-                           [str(u) for u in unprivileged], [str(v) for v in shared_run_lock])
+                           [str(u) for u in unprivileged], [str(v) for v in shared_run_lock],
+                           [str(v) for v in systemd], [str(v) for v in systemd_node])
         self.free_delay = DEFAULT_FREE_DELAY if free_delay is None else float(free_delay)
         if self.free_delay < 0:
             raise LabError("--free-delay must be >= 0")
@@ -125,6 +136,8 @@ class Lab:
         try:
             return self._build(shape)
         except BaseException:
+            if os.environ.get("LAB_KEEP_FAILED") == "1":  # to read the logs of a failed build; labctl down after
+                raise
             try:  # a half-built lab goes away; the build error is the one to report
                 self.down()
             except LabError as exc:
@@ -243,12 +256,16 @@ class Lab:
             "lab_dir": LAB_DIR, "repo": REPO, "address": address, "pct_delay": cfg["pct_delay"],
             "cgroup_root": self.cg_root, "freezer_root": self.fz_root, "init_pid": None, "pidns": None})
         write_file(os.path.join(ndir, "etc", "lxc", "lxc.conf"), "lxc.lxcpath = %s\n" % container.lxcpath(ndir))
+        ct_roots = []  # the systemd containers' overlays, mounted by the node (nodeinit)
         for vmid, cshape in nshape["containers"].items():
             cg_rel = "/gpuops-lab-%s/%s/lxc/%s/ns" % (self.rid, node, vmid)
             bare_venv = self._bare_venv(vmid) if cshape["bare"] else None
             python = (bare_venv or VENV) + "/bin/python"
             unpriv = bool(cshape.get("unprivileged"))
             shared_lock = bool(cshape.get("shared_run_lock"))
+            systemd = bool(cshape.get("systemd"))
+            if systemd:
+                ct_roots.append(self._systemd_root(ndir, vmid, unpriv))
             if bare_venv and unpriv:  # the role installs into it: container root (uid 100000) owns it
                 _chown_tree(bare_venv, UNPRIV_BASE)
             write_file(container.conf_path(ndir, vmid), proxmox_conf(vmid, cshape["minors"], unpriv, dev, shared_lock))
@@ -258,10 +275,11 @@ class Lab:
                 "bare": cshape["bare"], "unprivileged": unpriv, "shared_run_lock": shared_lock,
                 "running": False, "state": self.state,
                 "freezer_path": self._freezer_path(node, vmid),
-                "rid": self.rid, "supervisor_venv": VENV, "bare_venv": bare_venv})
+                "rid": self.rid, "supervisor_venv": VENV, "bare_venv": bare_venv, "systemd": systemd,
+                "systemd_node": bool(cshape.get("systemd_node"))})
             self.write_lxc_config(node, vmid)
             ncfg["containers"][vmid] = {"minors": cshape["minors"], "python": python, "bare": cshape["bare"],
-                                        "unprivileged": unpriv}
+                                        "unprivileged": unpriv, "systemd": systemd}
         # Stand-ins seen at Proxmox's paths inside the node's mount namespace.
         # pct decodes its arguments by the node's locale: Python must not coerce a C locale to UTF-8.
         write_file(os.path.join(ndir, "sbin", "pct"), "#!/bin/sh\nPYTHONCOERCECLOCALE=0 exec %s -sB %s --node-dir %s \"$@\"\n"
@@ -280,8 +298,22 @@ class Lab:
         write_json(os.path.join(ndir, "nodeinit.json"), {"node_dir": ndir, "state": self.state, "cgroup_path": cg,
                                                          "cgroups": node_cgroups, "node": node, "gpus": nshape["gpus"],
                                                          "nodes": sorted(cfg["shape"]["nodes"]),
-                                                         "supervisor_venv": VENV, "lab_dir": LAB_DIR})
+                                                         "supervisor_venv": VENV, "lab_dir": LAB_DIR,
+                                                         "ct_roots": ct_roots})
         return ncfg
+
+    def _systemd_root(self, ndir, vmid, unpriv):
+        """A systemd container's root: an overlay its node mounts at CT_ROOTS/VMID (lower: the cached Debian tree,
+        never written; upper: the container's own, under STATE, owned by its root)."""
+        from lablib import rootfs
+        own = os.path.join(ndir, "ctroot", vmid)
+        upper, work = os.path.join(own, "upper"), os.path.join(own, "work")
+        os.makedirs(upper, mode=0o755)
+        os.makedirs(work, mode=0o700)
+        if unpriv:
+            os.chown(upper, UNPRIV_BASE, UNPRIV_BASE)
+        return {"vmid": vmid, "lower": rootfs.path(UNPRIV_BASE if unpriv else 0), "upper": upper, "work": work,
+                "target": os.path.join(CT_ROOTS, vmid)}
 
     def _bare_venv(self, vmid):
         """A private copy of .lab/venv-bare (pip only) for one container, so installs never leak between labs."""
@@ -637,7 +669,8 @@ class Lab:
                                             "init_host_pid": ct.get("init_host_pid"),
                                             "init_node_pid": ct.get("init_node_pid"),
                                             "unprivileged": bool(ct.get("unprivileged")), "minors": ct["minors"],
-                                            "python": ct["python"], "cgroup": ct["cgroup"]}
+                                            "python": ct["python"], "cgroup": ct["cgroup"],
+                                            "systemd": bool(ct.get("systemd"))}
                 healthy = healthy and nout["containers"][vmid]["running"]
             out["nodes"][node] = nout
         out["healthy"] = bool(healthy)
@@ -654,6 +687,9 @@ class Lab:
             raise LabError("CT %s is already on node %s" % (vmid, target))
         src_dir, dst_dir = self.node_dir(source), self.node_dir(target)
         ct = container.load(src_dir, vmid)
+        if ct.get("systemd"):
+            raise LabError("CT %s boots systemd from a root file system its node %s mounts: the lab does not migrate it"
+                           % (vmid, source))
         bad = [m for m in ct["minors"] if m >= cfg["nodes"][target]["gpus"]]
         if bad:
             raise LabError("CT %s uses minors %s, node %s has %d GPUs" % (vmid, bad, target, cfg["nodes"][target]["gpus"]))
@@ -803,16 +839,20 @@ def lxc_config(rid, state, node, ct, pve_conf_path):
     out.append("lxc.monitor.unshare = 1")
     if unpriv:
         out += ["lxc.idmap = u 0 %d 65536" % UNPRIV_BASE, "lxc.idmap = g 0 %d 65536" % UNPRIV_BASE]
+    systemd = bool(ct.get("systemd"))
     out += ["lxc.console.path = none", "lxc.cgroup2.devices.deny = c 5:1 rwm", "lxc.tty.max = 2",
             "lxc.environment = TERM=linux", "lxc.uts.name = %s" % keys.get("hostname", "CT%s" % vmid),
-            "lxc.rootfs.path = /run/gpuops-lab-rootfs",  # the node's bind of the host's root file system
+            # the node's bind of the host's root file system, or a systemd container's own (an overlay)
+            "lxc.rootfs.path = %s" % (os.path.join(CT_ROOTS, vmid) if systemd else "/run/gpuops-lab-rootfs"),
             "lxc.net.0.type = empty"]
     out += raw
     out += ["lxc.autodev = 1", "lxc.tty.dir =",  # LXC 5 here cannot make /dev/lxc/ttyN in a privileged autodev
             "lxc.mount.entry = %s %s none bind,create=dir 0 0" % (state, state.lstrip("/")),
             "lxc.mount.entry = %s %s none bind,create=dir 0 0" % (REPO, REPO.lstrip("/")),
-            "lxc.init.cmd = %s -I %s --inner %s" % (system_python(), container.CTINIT,
-                                                    container.config_path(os.path.join(state, "nodes", node), vmid))]
+            # a systemd container: its own /usr/bin/python3 (Debian's), which ends in exec /sbin/init
+            "lxc.init.cmd = %s -I %s %s %s" % ("/usr/bin/python3" if systemd else system_python(), container.CTINIT,
+                                               "--systemd" if systemd else "--inner",
+                                               container.config_path(os.path.join(state, "nodes", node), vmid))]
     return "\n".join(out) + "\n"
 
 

@@ -109,6 +109,11 @@ def make_etc_layer(cfg):
     _symlink("nodes/%s/lxc" % cfg["node"], os.path.join(pve, "lxc"))
     _symlink("nodes/%s" % cfg["node"], os.path.join(pve, "local"))
     _symlink(os.path.join(state, "pve", "ha"), os.path.join(pve, "ha"))
+    # root's subordinate ids as a Proxmox node has them: LXC maps an unprivileged container through newuidmap
+    # whenever that tool is installed (uidmap), and newuidmap refuses a range /etc/subuid does not grant
+    for name in ("subuid", "subgid"):
+        with open(os.path.join(layer, name), "w") as f:
+            f.write("root:100000:65536\n")
     return layer
 
 
@@ -204,6 +209,16 @@ def setup_mounts(cfg):
         os.mkdir("/run/nvidia-lab", 0o755)  # the driver socket at its default path
         sysutil.bind(os.path.join(state, "driver"), "/run/nvidia-lab")
         setup_dev(cfg)
+    mount_ct_roots(cfg.get("ct_roots") or [])
+
+
+def mount_ct_roots(roots):
+    """Each systemd container's root file system: an overlay of the cached Debian tree (read-only) and the
+    container's own upper folder, on the node's /run (labctl up --systemd; lab.Lab._systemd_root)."""
+    for root in roots:
+        os.makedirs(root["target"], exist_ok=True)
+        sysutil.mount("gpuops-lab-ct%s" % root["vmid"], root["target"], "overlay", 0,
+                      "lowerdir=%s,upperdir=%s,workdir=%s" % (root["lower"], root["upper"], root["work"]))
 
 
 # The containers' supervisord.conf (ctinit's), with the stand-in daemon's program.

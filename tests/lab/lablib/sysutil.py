@@ -19,6 +19,7 @@ _libc.setns.argtypes = [ctypes.c_int, ctypes.c_int]
 MS_RDONLY = 1
 MS_NOSUID = 2
 MS_NODEV = 4
+MS_NOEXEC = 8
 MS_REMOUNT = 32
 MS_BIND = 4096
 MS_REC = 16384

@@ -106,3 +106,56 @@ def test_cli_layout_and_gpus_parsing():
 def test_cli_rejects_malformed_values(argv):
     with pytest.raises(SystemExit):
         labctl.parser().parse_args(argv)
+
+
+def test_systemd_containers_boot_their_own_root_with_systemd_and_other_shapes_stay():
+    """Issue 44: --systemd (and --systemd-node) mark only the named containers; --bare with it is refused; the CLI
+    takes VMID lists, repeatable."""
+    shape = lablab.Lab.shape(None, 1, 3, 2, {}, "modern", [], unprivileged=["102"], systemd=["101", "102", "103"],
+                             systemd_node=["103"])
+    cts = shape["nodes"]["pve1"]["containers"]
+    assert cts["101"]["systemd"] is True and "systemd_node" not in cts["101"] and cts["103"]["systemd_node"] is True
+    assert "systemd" not in lablab.Lab.shape(None, 1, 1, 2, {}, "modern", [])["nodes"]["pve1"]["containers"]["101"]
+    with pytest.raises(LabError, match="--bare and --systemd both name 101"):
+        lablab.Lab.shape(None, 1, 1, 2, {}, "modern", ["101"], systemd=["101"])
+    with pytest.raises(LabError, match="--systemd/--shared-run-lock name vmids not in the lab: 999"):
+        lablab.Lab.shape(None, 1, 1, 2, {}, "modern", [], systemd=["999"])
+    args = labctl.parser().parse_args(["up", "--systemd", "101,102", "--systemd", "201", "--systemd-node", "103"])
+    assert args.systemd == [["101", "102"], ["201"]] and args.systemd_node == [["103"]]
+    with pytest.raises(SystemExit):
+        labctl.parser().parse_args(["up", "--systemd", "10x"])
+
+
+def test_lxc_config_of_a_systemd_container_names_its_overlay_root_and_the_systemd_init(tmp_path):
+    pve = tmp_path / "101.conf"
+    pve.write_text(lablab.proxmox_conf("101", [0]))
+    ct = {"vmid": "101", "systemd": True}
+    lines = lablab.lxc_config("rid1", "/run/gpuops-lab/rid1", "pve1", ct, str(pve)).splitlines()
+    assert "lxc.rootfs.path = /run/gpuops-lab-ct/101" in lines
+    init = [ln for ln in lines if ln.startswith("lxc.init.cmd = ")]
+    assert len(init) == 1 and init[0].startswith("lxc.init.cmd = /usr/bin/python3 -I ")
+    assert " --systemd /run/gpuops-lab/rid1/nodes/pve1/containers/101.json" in init[0]
+    plain = lablab.lxc_config("rid1", "/run/gpuops-lab/rid1", "pve1", {"vmid": "101"}, str(pve)).splitlines()
+    plain_init = [ln for ln in plain if ln.startswith("lxc.init.cmd")][0]
+    assert "lxc.rootfs.path = /run/gpuops-lab-rootfs" in plain and " --inner " in plain_init
+
+
+def test_the_shifted_root_moves_every_owner_up_once(tmp_path):
+    """An unprivileged systemd container's tree: every file, folder and link owned base higher, exactly once (a
+    folder is both a walk's root and its parent's entry: shifted twice, the container's /run was uid 200000 to it)."""
+    import os
+    from lablib import rootfs
+    src = tmp_path / "src"
+    (src / "run" / "deep").mkdir(parents=True)
+    (src / "run" / "deep" / "file").write_text("x")
+    os.symlink("deep/file", str(src / "run" / "link"))
+    os.lchown(str(src / "run" / "deep" / "file"), 1000, 1000)
+    tool = src / "setuid"
+    tool.write_text("#!/bin/sh\n")
+    os.chmod(str(tool), 0o4755)
+    rootfs._shifted(str(src), str(tmp_path / "dst"), 100000)   # pylint: disable=protected-access
+    dst = tmp_path / "dst"
+    owners = {str(p.relative_to(dst)): os.lstat(str(p)).st_uid for p in [dst] + list(dst.rglob("*"))}
+    assert owners == {".": 100000, "run": 100000, "run/deep": 100000, "run/deep/file": 101000, "run/link": 100000,
+                      "setuid": 100000}
+    assert os.lstat(str(dst / "setuid")).st_mode & 0o7777 == 0o4755

@@ -94,6 +94,12 @@ def test_pid_1_is_systemd_and_the_system_is_running(lab):
         assert sh(lab, vmid, "cat /proc/1/cgroup | grep '^0::'") == "0::/init.scope"
         assert sh(lab, vmid, "systemctl is-active supervisor.service cron.service dbus.service") == \
             "active\nactive\nactive"
+        # its root file system is its own: not the host's /etc, nor its /run
+        status = json.loads(lab.labctl("status", parse=False))
+        init = status["nodes"]["pve1"]["containers"][str(vmid)]["init_host_pid"]
+        for folder in ("/etc", "/run"):
+            inside, host = os.stat("/proc/%d/root%s" % (init, folder)), os.stat(folder)
+            assert (inside.st_dev, inside.st_ino) != (host.st_dev, host.st_ino), folder
     assert sh(lab, 102, "cat /proc/self/uid_map").split() == ["0", "100000", "65536"]
     assert sh(lab, 101, "cat /proc/self/uid_map").split() == ["0", "0", "4294967295"]
 

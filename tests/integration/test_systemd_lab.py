@@ -148,7 +148,12 @@ def test_supervisor_service_keeps_running_and_only_the_gpu0_program_stops(clean)
     assert wait_until(lambda: clean.used(0) == 0, timeout=5), clean.truth()[0]
     assert clean.used(1) == 400 and host_alive(b["holders"][0]) and not host_alive(a["holders"][0])
     assert "STOPPED" in sh(clean, 101, "supervisorctl status %s || true" % a["supervisor_program"])
-    assert "RUNNING" in sh(clean, 101, "supervisorctl status %s || true" % b["supervisor_program"])
+    # B goes on: its pid unchanged (supervisord calls a program STARTING for its first second: startsecs=1)
+
+    def b_status():
+        return sh(clean, 101, "supervisorctl status %s || true" % b["supervisor_program"])
+    assert wait_until(lambda: "RUNNING" in b_status(), timeout=5), b_status()
+    assert "pid %d," % b["container_holders"][0] in b_status(), b_status()
     assert state(clean, 101, "supervisor.service") == "active" and main_pid(clean, 101, "supervisor.service") == sup
 
 

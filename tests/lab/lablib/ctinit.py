@@ -61,6 +61,17 @@ def _show_repo_under(mountpoint, repo_fd):
         sysutil.bind("/proc/self/fd/%d" % repo_fd, REPO_ROOT)
 
 
+def _driver_and_library(state, via_fd):
+    """The driver socket at /run/nvidia-lab; STATE/lib at its own path (the lab's ld.so.cache names the stand-in
+    library by its STATE path: that one folder only is shown). Returns that folder."""
+    os.mkdir("/run/nvidia-lab")
+    sysutil.bind(via_fd + "driver", "/run/nvidia-lab")
+    lib_dir = os.path.join(state, "lib")
+    os.makedirs(lib_dir)
+    sysutil.bind(via_fd + "lib", lib_dir, readonly=True)
+    return lib_dir
+
+
 def setup_mounts(cfg):
     state = cfg["state"]
     sysutil.make_rprivate("/")
@@ -89,12 +100,7 @@ def setup_mounts(cfg):
         sysutil.bind("/proc/self/fd/%d" % run_lock_fd, "/run/lock")
         os.close(run_lock_fd)
     via_fd = "/proc/self/fd/%d/" % state_fd
-    os.mkdir("/run/nvidia-lab")
-    sysutil.bind(via_fd + "driver", "/run/nvidia-lab")
-    # The lab ld.so.cache names the library by its STATE path: show that one folder only.
-    lib_dir = os.path.join(state, "lib")
-    os.makedirs(lib_dir)
-    sysutil.bind(via_fd + "lib", lib_dir, readonly=True)
+    _driver_and_library(state, via_fd)
     if cfg.get("bare_venv"):  # the container's own bare python, at the same path as on the host
         os.makedirs(cfg["bare_venv"])
         sysutil.bind(via_fd + os.path.relpath(cfg["bare_venv"], state), cfg["bare_venv"])
@@ -116,15 +122,21 @@ def start_supervisord(cfg):
     return proc.pid
 
 
-def inner(config_path):
+def _prepared(config_path, mounts):
+    """The container's record, once mounts(record) and the loopback are made."""
     with open(config_path) as f:
         cfg = json.load(f)
     os.chdir("/")
-    setup_mounts(cfg)
+    mounts(cfg)
     try:
         sysutil.loopback_up()
     except OSError:
         pass
+    return cfg
+
+
+def inner(config_path):
+    cfg = _prepared(config_path, setup_mounts)
     os.environ.pop("NOTIFY_SOCKET", None)
     os.environ["PATH"] = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -202,11 +214,7 @@ def systemd_mounts(cfg):
     _show_repo_under("/run", repo_fd)
     os.close(repo_fd)
     via_fd = "/proc/self/fd/%d/" % state_fd
-    os.mkdir("/run/nvidia-lab")
-    sysutil.bind(via_fd + "driver", "/run/nvidia-lab")
-    lib_dir = os.path.join(state, "lib")
-    os.makedirs(lib_dir)
-    sysutil.bind(via_fd + "lib", lib_dir, readonly=True)
+    lib_dir = _driver_and_library(state, via_fd)
     for tool in ("nvidia-smi", "nvidia-cuda-mps-control"):
         sysutil.touch("/usr/local/sbin/" + tool, 0o755)
         sysutil.bind(via_fd + "sbin/" + tool, "/usr/local/sbin/" + tool, readonly=True)
@@ -220,14 +228,7 @@ def systemd_mounts(cfg):
 
 def systemd(config_path):
     """Init of a systemd container: the lab's mounts, then exec Debian's systemd as pid 1."""
-    with open(config_path) as f:
-        cfg = json.load(f)
-    os.chdir("/")
-    systemd_mounts(cfg)
-    try:
-        sysutil.loopback_up()
-    except OSError:
-        pass
+    cfg = _prepared(config_path, systemd_mounts)
     env = dict(os.environ, container="lxc")
     env.pop("NOTIFY_SOCKET", None)
     if cfg.get("systemd_node"):  # plays a Proxmox node for the modules: /etc/pve, and no container= for pid 1

@@ -19,6 +19,7 @@ import os
 import shutil
 import subprocess
 
+from lablib import ctinit
 from lablib.common import REPO, LabError
 
 SUITE = "bookworm"
@@ -27,26 +28,11 @@ PACKAGES = ("systemd", "systemd-sysv", "dbus", "dbus-user-session", "libpam-syst
 CACHE = os.path.join(REPO, ".cache", "lab-rootfs")
 BUILD_TIMEOUT_S = 900
 
-SUPERVISORD_CONF = """\
-; gpuops lab: Debian's supervisor.service with the lab's socket and includes (tests/lab/lablib/rootfs.py)
-[unix_http_server]
-file=/run/supervisor/supervisor.sock
-chmod=0700
-
-[supervisord]
-logfile=/run/supervisor/supervisord.log
-pidfile=/run/supervisor/supervisord.pid
-childlogdir=/run/supervisor/log
-
-[rpcinterface:supervisor]
-supervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface
-
-[supervisorctl]
-serverurl=unix:///run/supervisor/supervisor.sock
-
-[include]
-files = /etc/supervisor/conf.d/*.conf /run/supervisor/conf.d/*.conf
-"""
+# ctinit's config for Debian's supervisor.service (which passes -n itself), also reading Debian's conf.d
+SUPERVISORD_CONF = ("; gpuops lab: Debian's supervisor.service with the lab's socket and includes (lablib/rootfs.py)\n"
+                    + ctinit.SUPERVISORD_CONF.replace("nodaemon=true\nuser=root\n", "").replace(
+                        "files = /run/supervisor/conf.d/*.conf",
+                        "files = /etc/supervisor/conf.d/*.conf /run/supervisor/conf.d/*.conf"))
 
 TMPFILES = """\
 d /run/supervisor 0755 root root -

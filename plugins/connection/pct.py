@@ -50,6 +50,11 @@ notes:
     rules when O(node_become) is on.
   - Host key checking stays on by default (O(host_key_checking)); put the nodes' keys in known_hosts, e.g. with
     C(ansible_ssh_common_args='-o UserKnownHostsFile=/path/known_hosts').
+  - "Boolean options (O(host_key_checking), O(node_become), O(pipelining), O(use_tty)) take a real boolean only: V(true)
+    or V(false), or Ansible's other spellings (V(yes)/V(no), V(on)/V(off), V(1)/V(0)), from a variable, the environment
+    or C(ansible.cfg). Any other value, such as V(maybe), fails the task naming the option and where it was set,
+    before anything runs on the node; ansible-core alone would read it as false (for O(host_key_checking): no host
+    key check)."
   - O(use_tty) defaults to V(true) as with C(ssh). It applies only to commands that are not pipelined, and it merges
     their stderr into stdout.
   - When forks reach one node together, the first opens the node's master connection under a lock in
@@ -481,9 +486,9 @@ EXAMPLES = r"""
 #         ansible_user: root
 #         ansible_ssh_private_key_file: ~/.ssh/pve_ed25519
 #       hosts:
-#         ct101: {ansible_host: pve1.example.org, pct_vmid: 101}
-#         ct102: {ansible_host: pve1.example.org, pct_vmid: 102}
-#         ct201: {ansible_host: pve2.example.org, pct_vmid: 201, pct_exec_method: lxc-attach}
+#         ct101: {ansible_host: pve1.example.org, ansible_pct_vmid: 101}
+#         ct102: {ansible_host: pve1.example.org, ansible_pct_vmid: 102}
+#         ct201: {ansible_host: pve2.example.org, ansible_pct_vmid: 201, ansible_pct_exec_method: lxc-attach}
 
 - name: Check GPUs in every container
   hosts: gpu_containers
@@ -496,7 +501,7 @@ EXAMPLES = r"""
   hosts: gpu_containers
   vars:
     ansible_user: ansible
-    pct_node_become: true
+    ansible_pct_node_become: true
   tasks:
     - name: Become another user inside the container
       ansible.builtin.command: id -un
@@ -524,6 +529,8 @@ from ansible.plugins.connection.ssh import AnsibleControlPersistBrokenPipeError,
 from ansible.utils.display import Display
 from ansible.utils.path import unfrackpath
 from ansible.vars import clean as core_clean
+
+from ansible_collections.gpuops.fleet.plugins.plugin_utils._booleans import loose_booleans, refusal
 
 display = Display()
 
@@ -631,6 +638,10 @@ class Connection(SSHConnection):
                     direct: dict[str, t.Any] | None = None) -> None:
         super().set_options(task_keys=task_keys, var_options=var_options, direct=direct)
         self._refuse_colliding_facts()
+        problem = refusal('gpuops.fleet.pct', loose_booleans('connection', self._load_name, direct=direct,
+                                                             variables=var_options, keys=task_keys))
+        if problem:
+            raise AnsibleError(problem + '; nothing was run')
 
     def _refuse_colliding_facts(self) -> None:
         """Fail (with inject_facts_as_vars on) or warn (off) when a fact is named like one of this plugin's variables.
@@ -785,7 +796,7 @@ class Connection(SSHConnection):
         if _NO_KEEP_ENV.search(text):
             return AnsibleConnectionFailure(
                 'pct on node %s does not know --keep-env (pve-container before 5.0.9, Proxmox VE before 8.2): '
-                'upgrade the node, or use pct_exec_method=lxc-attach.' % node)
+                'upgrade the node, or use ansible_pct_exec_method=lxc-attach.' % node)
         if self.get_option('exec_method') == 'lxc-attach' and text.lstrip().startswith('lxc-attach'):
             return AnsibleConnectionFailure(
                 'lxc-attach could not enter container %s on node %s (%s): it may be stopped or not on this node; '

@@ -22,9 +22,15 @@ description:
   - Every container becomes a host reached with the C(gpuops.fleet.pct) connection. C(ansible_host) is the address of the
     node that hosts the container at the time of the run, so a migrated container is found on its new node and
     C(pct exec) never fails with "vmid not on this node".
-  - "Host variables: C(ansible_connection), C(ansible_host), C(pct_vmid), C(proxmox_node), C(proxmox_name),
-    C(proxmox_status), C(proxmox_tags) (a list), C(proxmox_pool), C(proxmox_gpu_devices), C(proxmox_gpu_minors),
-    C(proxmox_gpu_container_devices) and C(proxmox_gpu_denied_devices)."
+  - "Host variables: C(ansible_connection), C(ansible_host), C(ansible_pct_vmid) and C(proxmox_vmid) (the vmid, for
+    the C(gpuops.fleet.pct) connection and as community.proxmox names it), C(proxmox_node), C(proxmox_name),
+    C(proxmox_status), C(proxmox_tags), C(proxmox_tags_parsed), C(proxmox_pool), C(proxmox_gpu_devices),
+    C(proxmox_gpu_minors), C(proxmox_gpu_container_devices) and C(proxmox_gpu_denied_devices)."
+  - "C(proxmox_tags) and C(proxmox_tags_parsed) are as community.proxmox's inventory sets them: C(proxmox_tags) is
+    Proxmox's C(tags) string as given (V(gpu;sglang)), C(proxmox_tags_parsed) the list of its tags split at C(;) or
+    C(,), each stripped, in Proxmox's order (V([gpu, sglang])). A container without tags has neither. In 0.1.0
+    C(proxmox_tags) was the list: a O(keyed_groups) entry with C(key: proxmox_tags) now makes one group of the whole
+    string; use C(key: proxmox_tags_parsed). C(pct_vmid) is no longer set."
   - "C(proxmox_gpu_devices) are the node's C(/dev/nvidiaN) devices passed in, by minor: from C(devN) keys (any option
     order, C(path=) or not; not with C(deny-write)) and from C(lxc.mount.entry) lines by their source, when the
     container's C(lxc.cgroup2.devices.allow) (or C(lxc.cgroup.devices.allow)) rules, read in order with the C(deny)
@@ -98,6 +104,10 @@ options:
     description:
       - Check the API's TLS certificate.
       - Rather than turning this off for a self-signed certificate, trust it with O(ca_path).
+      - A real boolean only, V(true) or V(false) (or Ansible's other boolean spellings V(yes)/V(no), V(on)/V(off),
+        V(1)/V(0), in the file or in E(PROXMOX_VALIDATE_CERTS)). Any other value, such as V(maybe) or an empty
+        E(PROXMOX_VALIDATE_CERTS), fails the inventory naming the option before any request; ansible-core alone would
+        read it as false. The same holds for every boolean option of this plugin.
     type: bool
     default: true
     env:
@@ -106,7 +116,8 @@ options:
     description:
       - CA bundle (PEM) to check the API's certificate against, instead of the system's.
       - On Proxmox VE the cluster's own CA is C(/etc/pve/pve-root-ca.pem).
-      - Used only when O(validate_certs) is true.
+      - Used only when O(validate_certs) is true. A path that does not exist, or cannot be read, fails the inventory
+        naming it, before any request.
     type: path
     env:
       - name: PROXMOX_CA_PATH
@@ -202,7 +213,7 @@ compose:
 groups:
   multi_gpu: proxmox_gpu_minors | length > 1
 keyed_groups:
-  - key: proxmox_tags
+  - key: proxmox_tags_parsed
     prefix: tag
 # ansible-inventory -i gpu.proxmox_gpu.yml --graph
 #   @gpu_containers, @proxmox_node_pve1, @proxmox_nodes, @multi_gpu, @tag_gpu ...
@@ -235,6 +246,7 @@ node_hosts: false
 """
 
 import fnmatch
+import os
 import re
 import time
 
@@ -245,6 +257,7 @@ from ansible.plugins.inventory import BaseInventoryPlugin, Cacheable, Constructa
 from ansible.utils.unsafe_proxy import wrap_var
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._pveconf import NVIDIA_DEV, gpu_passthrough
+from ansible_collections.gpuops.fleet.plugins.plugin_utils._booleans import loose_booleans, refusal
 
 try:
     import requests  # proxmoxer's https backend calls sys.exit() when requests is missing: check first
@@ -268,6 +281,18 @@ START_TOLERANCE_S = 20  # /cluster/resources uptimes come from pvestatd, refresh
 def split_tags(text):
     """Proxmox tags ('gpu;sglang', also ',' or ' ' separated) as a list."""
     return [tag for tag in re.split(r'[;, ]+', str(text or '')) if tag]
+
+
+def tag_vars(tags):
+    """proxmox_tags and proxmox_tags_parsed as community.proxmox's inventory sets them: the tags string as Proxmox
+    gives it (left out when empty), and its tags split at ';' or ',', each stripped, in order (left out when the string
+    is blank)."""
+    if not tags:
+        return {}
+    found = {'proxmox_tags': str(tags)}
+    if str(tags).strip():
+        found['proxmox_tags_parsed'] = [tag.strip() for tag in str(tags).strip().replace(',', ';').split(';')]
+    return found
 
 
 def gpu_devices(config):
@@ -313,6 +338,17 @@ class RedirectRefused(AnsibleParserError):
     """The API answered with a redirect to another origin: nothing is sent there, and the whole inventory fails."""
 
 
+class NotTheApi(AnsibleParserError):
+    """The url answered with something that is not the Proxmox VE API's JSON: the whole inventory fails."""
+
+
+def not_json(api_url, request, body):
+    """One line for an answer that is not JSON: the plugin, the request, and the start of what came back."""
+    text = ' '.join(to_native(body[:60] if isinstance(body, bytes) else str(body)[:60], errors='replace').split())
+    return NotTheApi('proxmox_gpu: the Proxmox VE API at %s answered %s with something that is not JSON (%r...); is url '
+                     'the API of a Proxmox VE node (https://HOST:8006), not a web page or a proxy\'s?' % (api_url, request, text))
+
+
 def origin(url):
     """(scheme, host, port) of a URL: where a ticket or a token may go."""
     parts = urlsplit(url)
@@ -350,7 +386,12 @@ class TicketAuth(ProxmoxHTTPAuthBase):
         if response.status_code != 200:
             raise AuthenticationError("Couldn't authenticate user: %s to %s/access/ticket code: %s"
                                       % (user, base_url, response.status_code))
-        data = response.json().get('data') or {}
+        try:
+            data = response.json().get('data') or {}
+        except (ValueError, AttributeError):
+            raise not_json(base_url, 'POST access/ticket', response.content) from None
+        if not isinstance(data, dict) or not data.get('ticket'):
+            raise not_json(base_url, 'POST access/ticket', response.content)
         if data.get('NeedTFA') is not None:
             raise AuthenticationError('%s needs a second factor (TFA); use an API token (token_id, token_secret)' % user)
         self.ticket, self.csrf = data['ticket'], data['CSRFPreventionToken']
@@ -381,6 +422,15 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
             return False
         return True
 
+    def set_options(self, task_keys=None, var_options=None, direct=None):
+        """As ansible-core's, then refuse a bool option whose value is no boolean (validate_certs: maybe), which
+        ansible-core would read as false."""
+        super(InventoryModule, self).set_options(task_keys=task_keys, var_options=var_options, direct=direct)
+        problem = refusal('proxmox_gpu', loose_booleans('inventory', self._load_name, direct=direct, variables=var_options,
+                                                        keys=task_keys))
+        if problem:
+            raise AnsibleParserError(problem)
+
     # -- API --------------------------------------------------------------------------------------
 
     def _connect(self):
@@ -392,6 +442,11 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         verify = self.get_option('validate_certs')
         if verify and self.get_option('ca_path'):
             verify = self.get_option('ca_path')
+            if not os.path.exists(verify):
+                raise AnsibleParserError('proxmox_gpu: ca_path %s does not exist (the CA bundle, PEM, that signed the '
+                                         "API's certificate; on Proxmox VE /etc/pve/pve-root-ca.pem)" % verify)
+            if not os.access(verify, os.R_OK):
+                raise AnsibleParserError('proxmox_gpu: ca_path %s cannot be read by this user' % verify)
         auth = {}
         if self.get_option('token_id') and self.get_option('token_secret'):
             auth = {'token_name': self.get_option('token_id'), 'token_value': self.get_option('token_secret')}
@@ -436,24 +491,38 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         return ('proxmox_gpu: cannot reach the Proxmox VE API at %s (%s; is pveproxy running there? address, port, '
                 'firewall): %s' % (url, request, to_native(exc)))
 
-    def _get(self, api, path, **params):
+    def _get(self, api, path, expect=list, **params):
+        """The data of GET path: a list (expect=list) or a dict (expect=dict), or None. NotTheApi when the answer is
+        not the API's JSON (proxmoxer hands back {'errors': BODY} for a body that is no JSON, a KeyError for JSON
+        without data)."""
+        request = 'GET ' + path
         try:
-            return api(path).get(**params)
+            answer = api(path).get(**params)
+        except KeyError:
+            raise NotTheApi('proxmox_gpu: the Proxmox VE API at %s answered %s with JSON that has no data; is url the '
+                            'API of a Proxmox VE node (https://HOST:8006)?' % (self.get_option('url'), request)) from None
         except ResourceException as exc:
             if exc.status_code == 401:
                 raise AnsibleParserError('proxmox_gpu: authentication failed for %s at %s (wrong token?): %s'
                                          % (self.get_option('user'), self.get_option('url'), to_native(exc)))
             raise AnsibleParserError('proxmox_gpu: GET %s failed: %s' % (path, to_native(exc)))
         except requests.exceptions.RequestException as exc:
-            raise AnsibleParserError(self._request_error(self.get_option('url'), 'GET ' + path, exc))
+            raise AnsibleParserError(self._request_error(self.get_option('url'), request, exc))
+        if isinstance(answer, dict) and set(answer) == {'errors'} and isinstance(answer['errors'], bytes):
+            raise not_json(self.get_option('url'), request, answer['errors'])
+        if answer is not None and not isinstance(answer, expect):
+            raise NotTheApi('proxmox_gpu: the Proxmox VE API at %s answered %s with a JSON %s where PVE gives a %s; is '
+                            'url the API of a Proxmox VE node (https://HOST:8006)?'
+                            % (self.get_option('url'), request, type(answer).__name__, expect.__name__))
+        return answer
 
     def _config(self, api, node, vmid):
         """The container's running config (current=1: pending changes left out); ConfigUnreadable when it fails."""
         path = 'nodes/%s/lxc/%d/config' % (node, vmid)
         try:
-            return self._get(api, path, current=1)
+            return self._get(api, path, expect=dict, current=1)
         except AnsibleParserError as exc:
-            if isinstance(exc, RedirectRefused) or 'authentication failed' in to_native(exc):
+            if isinstance(exc, (RedirectRefused, NotTheApi)) or 'authentication failed' in to_native(exc):
                 raise
             raise ConfigUnreadable(to_native(exc))
 
@@ -496,7 +565,7 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         the same vmid, node and name, started at the same time.
         """
         api = self._connect()
-        resources = self._get(api, 'cluster/resources', type='vm') or []
+        resources = [g for g in self._get(api, 'cluster/resources', type='vm') or [] if isinstance(g, dict)]
         now = time.time()
         selected = sorted((g for g in resources if self._selected(g)), key=lambda g: int(g.get('vmid', 0)))
         want_nodes = self.get_option('node_hosts')
@@ -523,7 +592,7 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
             usable = [dev for dev in entry['passthrough'] if dev['usable']]
             found.append({'vmid': vmid, 'node': node, 'address': addresses.get(node, node),
                           'name': guest.get('name') or entry['hostname'], 'status': guest['status'],
-                          'tags': split_tags(guest.get('tags')), 'pool': guest.get('pool'),
+                          'tags': guest.get('tags'), 'pool': guest.get('pool'),
                           'gpu_devices': [dev['device'] for dev in usable],
                           'gpu_container_devices': [dev['path'] for dev in usable],
                           'gpu_denied_devices': [dev['device'] for dev in entry['passthrough'] if not dev['usable']],
@@ -537,7 +606,7 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
         try:
             return [item for item in self._get(api, 'cluster/status') or [] if isinstance(item, dict)]
         except AnsibleParserError as exc:
-            if isinstance(exc, RedirectRefused) or 'authentication failed' in to_native(exc):
+            if isinstance(exc, (RedirectRefused, NotTheApi)) or 'authentication failed' in to_native(exc):
                 raise
             self.display.warning('proxmox_gpu: no node hosts (%s), the nodes could not be read: %s'
                                  % (NODES_GROUP, to_native(exc)))
@@ -676,17 +745,18 @@ class InventoryModule(BaseInventoryPlugin, Constructable, Cacheable):
             hostvars = {
                 'ansible_connection': 'gpuops.fleet.pct',
                 'ansible_host': ct['address'],
-                'pct_vmid': ct['vmid'],
+                'ansible_pct_vmid': ct['vmid'],
+                'proxmox_vmid': ct['vmid'],
                 'proxmox_node': ct['node'],
                 'proxmox_name': ct['name'],
                 'proxmox_status': ct['status'],
-                'proxmox_tags': ct['tags'],
                 'proxmox_pool': ct['pool'],
                 'proxmox_gpu_devices': ct['gpu_devices'],
                 'proxmox_gpu_minors': minors,
                 'proxmox_gpu_container_devices': ct['gpu_container_devices'],
                 'proxmox_gpu_denied_devices': ct['gpu_denied_devices'],
             }
+            hostvars.update(tag_vars(ct['tags']))
             if ct['node'] in node_hosts:
                 hostvars['proxmox_node_host'] = node_hosts[ct['node']]
             hostvars = wrap_var(hostvars)

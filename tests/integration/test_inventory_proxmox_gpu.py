@@ -76,7 +76,7 @@ def plain(value):
 
 def cts(hostvars):
     """The container hosts of a listing's hostvars (node hosts left out), sorted."""
-    return sorted(name for name, hv in hostvars.items() if "pct_vmid" in hv)
+    return sorted(name for name, hv in hostvars.items() if "ansible_pct_vmid" in hv)
 
 
 def unsafe_keys(listed, host):
@@ -189,10 +189,11 @@ def test_inventory_lists_running_containers_on_their_nodes(lab):
     assert sorted(listed["proxmox_node_pve1"]["hosts"]) == ["ct101", "ct102"]
     assert sorted(listed["proxmox_node_pve2"]["hosts"]) == ["ct201", "ct202"]
     ct = hv["ct201"]
-    assert ct["ansible_connection"] == "gpuops.fleet.pct" and ct["pct_vmid"] == 201
+    assert ct["ansible_connection"] == "gpuops.fleet.pct" and ct["ansible_pct_vmid"] == ct["proxmox_vmid"] == 201
+    assert "pct_vmid" not in ct   # the connection's deprecated name: not set by the inventory (issue 45)
     assert ct["ansible_host"] == lab["nodes"]["pve2"]["address"] and ct["proxmox_node"] == "pve2"
     assert ct["proxmox_gpu_devices"] == ["/dev/nvidia2", "/dev/nvidia3"] and ct["proxmox_gpu_minors"] == [2, 3]
-    assert ct["proxmox_tags"] == ["gpu"] and hv["ct102"]["proxmox_gpu_devices"] == []
+    assert ct["proxmox_tags"] == "gpu" and ct["proxmox_tags_parsed"] == ["gpu"] and hv["ct102"]["proxmox_gpu_devices"] == []
     assert {"ansible_host", "proxmox_node", "proxmox_name"} <= unsafe_keys(json.loads(subprocess.run(
         [os.path.join(VENV_BIN, "ansible-inventory"), "-i", lab["api_inventory"], "--list"], cwd=REPO,
         env=ansible_env(), stdout=subprocess.PIPE, check=True).stdout), "ct201")
@@ -213,7 +214,7 @@ def test_nodes_are_ssh_hosts_in_proxmox_nodes(lab, tmp_path):
                                 proxmox_node=node, proxmox_node_online=True, proxmox_node_vmids=vmids,
                                 lab_node=node, ansible_user="root",
                                 ansible_python_interpreter=os.path.join(REPO, ".lab", "venv", "bin", "python"))
-        assert "pct_vmid" not in hv[node] and node not in listed["proxmox_node_%s" % node]["hosts"]
+        assert "ansible_pct_vmid" not in hv[node] and node not in listed["proxmox_node_%s" % node]["hosts"]
     assert {ct: hv[ct]["proxmox_node_host"] for ct in cts(hv)} == {
         "ct101": "pve1", "ct102": "pve1", "ct201": "pve2", "ct202": "pve2"}
     assert "pve1" not in listed["gpu_containers"]["hosts"]
@@ -239,7 +240,7 @@ def test_ping_the_nodes_through_the_inventory(lab):
 
 def test_ticket_login_tag_filter_and_explicit_enable(lab, tmp_path):
     path = variant(lab, tmp_path, token_id=None, token_secret=None, password=secret(lab, "password"),
-                   tags=["gpu"], keyed_groups=[{"key": "proxmox_tags", "prefix": "tag"}])
+                   tags=["gpu"], keyed_groups=[{"key": "proxmox_tags_parsed", "prefix": "tag"}])
     listed = inventory(path, ANSIBLE_INVENTORY_ENABLED="gpuops.fleet.proxmox_gpu")
     assert cts(listed["_meta"]["hostvars"]) == ["ct101", "ct201", "ct202"]
     assert sorted(listed["tag_gpu"]["hosts"]) == ["ct101", "ct201", "ct202"]
@@ -454,7 +455,7 @@ def test_filters_stopped_containers_and_hostname_template(lab, tmp_path):
         hv = inventory(path)["_meta"]["hostvars"]
         assert cts(hv) == ["pve2-201", "pve2-202"]
         assert hv["pve2-202"]["proxmox_status"] == "stopped" and hv["pve2-202"]["proxmox_gpu_minors"] == [0, 1, 2, 3]
-        assert hv["pve2-201"]["proxmox_status"] == "running" and hv["pve2-201"]["pct_vmid"] == 201
+        assert hv["pve2-201"]["proxmox_status"] == "running" and hv["pve2-201"]["ansible_pct_vmid"] == 201
         assert cts(inventory(variant(lab, tmp_path, names=["ct1*"]))["_meta"]["hostvars"]) == ["ct101", "ct102"]
         with api_file(lab, "pools.json", {"ml": [101, 201, 202], "web": [102]}):
             hv = inventory(variant(lab, tmp_path, pools=["ml"], statuses=["stopped"]))["_meta"]["hostvars"]

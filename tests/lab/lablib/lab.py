@@ -569,7 +569,7 @@ class Lab:
                 if c.get("bare")}
         python = "'%s'" % (VENV + "/bin/python")
         if bare:  # bare containers keep their private venv wherever they run
-            python = "%s.get(pct_vmid | string, %s)" % (json.dumps(bare, sort_keys=True), python)
+            python = "%s.get(proxmox_vmid | string, %s)" % (json.dumps(bare, sort_keys=True), python)
         compose = {"ansible_user": "'root'",
                    "ansible_ssh_private_key_file": "'%s'" % os.path.join(ssh, "id_ed25519"),
                    "ansible_ssh_common_args": "'-o UserKnownHostsFile=%s -o IdentitiesOnly=yes'"

@@ -106,7 +106,7 @@ def members(inventory, group):
 
 def containers(inventory):
     """The container hosts (node hosts left out)."""
-    return sorted(name for name, host in inventory.hosts.items() if "pct_vmid" in host.vars)
+    return sorted(name for name, host in inventory.hosts.items() if "ansible_pct_vmid" in host.vars)
 
 
 def test_gpu_devices_from_dev_keys_and_mount_entries():
@@ -188,7 +188,8 @@ def test_running_lxc_containers_with_node_address_and_gpus(tmp_path, monkeypatch
     assert containers(inventory) == ["sglang-a", "sglang-b", "web"]
     a = hostvars(inventory, "sglang-a")
     assert a["ansible_connection"] == "gpuops.fleet.pct" and a["ansible_host"] == "10.0.0.11"
-    assert a["pct_vmid"] == 101 and a["proxmox_node"] == "pve1" and a["proxmox_tags"] == ["gpu", "sglang"]
+    assert a["ansible_pct_vmid"] == a["proxmox_vmid"] == 101 and "pct_vmid" not in a and a["proxmox_node"] == "pve1"
+    assert a["proxmox_tags"] == "gpu;sglang" and a["proxmox_tags_parsed"] == ["gpu", "sglang"]
     assert a["proxmox_gpu_devices"] == ["/dev/nvidia4", "/dev/nvidia5"] and a["proxmox_gpu_minors"] == [4, 5]
     b = hostvars(inventory, "sglang-b")
     assert b["ansible_host"] == "10.0.0.12" and b["proxmox_gpu_devices"] == ["/dev/nvidia0"]
@@ -231,7 +232,7 @@ def test_node_without_ip_falls_back_to_its_name(tmp_path, monkeypatch):
 def test_tag_filter_and_constructed_options(tmp_path, monkeypatch):
     conf = ("tags: [sglang, missing]\ncompose:\n  gpu_count: proxmox_gpu_minors | length\n"
             "groups:\n  multi_gpu: proxmox_gpu_minors | length > 1\n"
-            "keyed_groups:\n  - key: proxmox_tags\n    prefix: tag\n")
+            "keyed_groups:\n  - key: proxmox_tags_parsed\n    prefix: tag\n")
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), conf)
     assert containers(inventory) == ["sglang-a"]
     assert hostvars(inventory, "sglang-a")["gpu_count"] == (2 if NATIVE else "2")
@@ -390,7 +391,7 @@ def test_filters_by_status_node_pool_and_name(tmp_path, monkeypatch):
     inventory = run_plugin(tmp_path, monkeypatch, recorded(**configs), "statuses: [stopped]\n")
     assert containers(inventory) == ["vllm-b"]
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "nodes: [pve2]\n")
-    assert containers(inventory) == ["sglang-b"] and hostvars(inventory, "sglang-b")["pct_vmid"] == 206
+    assert containers(inventory) == ["sglang-b"] and hostvars(inventory, "sglang-b")["ansible_pct_vmid"] == 206
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "pools: [ml]\n")
     assert containers(inventory) == ["sglang-a", "sglang-b"] and hostvars(inventory, "sglang-b")["proxmox_pool"] == "ml"
     inventory = run_plugin(tmp_path, monkeypatch, recorded(), "names: ['w*', 'nothing']\n")
@@ -449,7 +450,7 @@ def test_nodes_are_ssh_hosts_and_containers_name_their_node_host(tmp_path, monke
     pve1 = hostvars(inventory, "pve1")
     assert pve1 == dict(pve1, ansible_connection="ssh", ansible_host="10.0.0.11", proxmox_node="pve1",
                         proxmox_node_online=True, proxmox_node_vmids=[101, 102])
-    assert "pct_vmid" not in pve1 and "proxmox_node_host" not in pve1
+    assert "ansible_pct_vmid" not in pve1 and "proxmox_vmid" not in pve1 and "proxmox_node_host" not in pve1
     assert hostvars(inventory, "pve2")["proxmox_node_vmids"] == [206]  # 205 is stopped, not listed
     assert hostvars(inventory, "sglang-a")["proxmox_node_host"] == "pve1"
     assert hostvars(inventory, "sglang-b")["proxmox_node_host"] == "pve2"

@@ -112,3 +112,13 @@ attributes:
     description: Target OS/families that can be operated against.
     platforms: posix
 """
+
+    # The modules of the action group gpu (meta/runtime.yml), for module_defaults.
+    ACTIONGROUP_GPU = r"""
+attributes:
+  action_group:
+    description: Use C(group/gpuops.fleet.gpu) in C(module_defaults) to set defaults for this module.
+    support: full
+    membership:
+      - gpuops.fleet.gpu
+"""

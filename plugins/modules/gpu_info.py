@@ -44,11 +44,14 @@ extends_documentation_fragment:
   - gpuops.fleet._gpu
   - gpuops.fleet._gpu.reading
   - gpuops.fleet._gpu.attributes
+  - gpuops.fleet._gpu.actiongroup_gpu
 attributes:
   check_mode:
     support: full
+    details: This module does not change anything.
   diff_mode:
-    support: none
+    support: N/A
+    details: This module does not change anything.
   idempotent:
     support: full
   platform:
@@ -274,7 +277,7 @@ gpus:
     pci_bus_id:
       description: PCI bus id.
       type: str
-      sample: 00000000:18:00.0
+      sample: "00000000:18:00.0"
     name:
       description: Product name.
       type: str

@@ -65,6 +65,7 @@ author:
 extends_documentation_fragment:
   - gpuops.fleet._gpu
   - gpuops.fleet._gpu.attributes
+  - gpuops.fleet._gpu.actiongroup_gpu
   - gpuops.fleet._proxmox_api
 attributes:
   check_mode:

@@ -18,7 +18,7 @@ from ansible import constants as C
 from ansible.module_utils.parsing.convert_bool import boolean
 
 BOOL_TYPES = ('bool', 'boolean')
-SPELLINGS = 'true/false, yes/no, on/off, 1/0'
+SPELLINGS = 'yes/no, on/off, 1/0, y/n, t/f'
 _INI = {}
 
 
@@ -87,5 +87,5 @@ def refusal(label, loose):
     if not loose:
         return None
     option, value, where = loose[0]
-    return ('%s: option %s is %r (%s), not a boolean; write true or false (Ansible also reads %s, y/n, t/f, any case), '
+    return ('%s: option %s is %r (%s), not a boolean; write true or false (Ansible also reads %s, any case), '
             'since ansible-core would read it as false' % (label, option, str(value)[:80], where, SPELLINGS))

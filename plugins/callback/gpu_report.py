@@ -45,13 +45,6 @@ options:
     env:
       - name: GPUOPS_REPORT_PATH
     ini:
-      - section: gpuops_report
-        key: report_path
-        deprecated:
-          why: the section is named as ansible-core names callback sections
-          version: 1.0.0
-          collection_name: gpuops.fleet
-          alternatives: the [callback_gpu_report] section
       - section: callback_gpu_report
         key: report_path
         version_added: 0.2.0

@@ -326,23 +326,24 @@ def _message(res):
     return " ".join(to_native(text).split())
 
 
-def exit_code(stats):
-    """The status ansible-playbook exits with after these stats: 4 with an unreachable host, 2 with a failed one, else 0."""
-    if any(count for count in stats.dark.values()):
-        return 4
-    if any(count for count in stats.failures.values()):
+def exit_code(broke, unreachable, failed):
+    """The status ansible-playbook exits with, as ansible-core's strategy and PlaybookExecutor decide it from the last
+    play that ran: 2 when it broke off (max_fail_percentage), else 4 when a host of the run was unreachable, else 2 when
+    a host of that play failed, else 0."""
+    if broke:
         return 2
-    return 0
+    if unreachable:
+        return 4
+    return 2 if failed else 0
 
 
-def predeploy_verdict(reports, places, stats, summary, checked_hosts, implicit=()):
+def predeploy_verdict(reports, places, code, summary, checked_hosts, implicit=()):
     """playbooks/predeploy_check.yml's verdict for a pipeline (issue 45), from what its tasks and the run said.
 
     verdict: ready (exit 0, every container checked ready), not_ready (exit 2: a container at fault, fewer containers
     than expected), unreachable (exit 4: a container or its node unreachable), not_checked (nothing checked: the first
     play failed, or a --limit left no container, which exits 0). The exit code is the one ansible-playbook returns.
     """
-    code = exit_code(stats)
     containers = []
     for host in sorted(h for h in reports if h in checked_hosts and h not in implicit):
         report = reports[host]
@@ -436,6 +437,10 @@ class CallbackModule(CallbackBase):
         self._extra_vars = {}
         self._predeploy_summary = None
         self._checked_hosts = set()
+        # what decides ansible-playbook's exit status (exit_code)
+        self._unreachable = set()
+        self._play_failed = set()
+        self._play_broke = False
 
     def _report(self, result):
         return self._host_report(result._host)
@@ -489,10 +494,12 @@ class CallbackModule(CallbackBase):
 
     def v2_playbook_on_play_start(self, play):
         self._play = play
+        self._play_failed, self._play_broke = set(), False
         try:   # every host of the play gets a row, even one that no task reached (issue 45)
             manager = play.get_variable_manager()
             self._extra_vars = dict(manager.extra_vars)
-            hosts = manager._inventory.get_hosts(play.hosts)   # pylint: disable=protected-access
+            # every batch of a serial play (restrictions), within --limit
+            hosts = manager._inventory.get_hosts(play.hosts, ignore_restrictions=True)   # pylint: disable=protected-access
         except Exception:  # pylint: disable=broad-except  # the hosts that report a result still get their rows
             hosts = []
         patterns = [play.hosts] if isinstance(play.hosts, str) else list(play.hosts or [])
@@ -506,6 +513,11 @@ class CallbackModule(CallbackBase):
 
     def v2_runner_on_failed(self, result, ignore_errors=False):
         self._ingest(result, failed=not ignore_errors)
+        if not ignore_errors:
+            self._play_failed.add(result._host.get_name())
+
+    def v2_playbook_on_no_hosts_remaining(self):
+        self._play_broke = True   # the linear strategy says so only when it breaks the play off
 
     def v2_runner_on_skipped(self, result):
         self._report(result).skipped += 1
@@ -513,6 +525,8 @@ class CallbackModule(CallbackBase):
     def v2_runner_on_unreachable(self, result):
         report = self._report(result)
         report.unreachable = True
+        if not getattr(result._task, "ignore_unreachable", False):
+            self._unreachable.add(result._host.get_name())
         res = result._result if isinstance(result._result, dict) else {}
         delegate = getattr(result._task, "delegate_to", None) if result._task else None
         if delegate and delegate != result._host.get_name():   # a task delegated to its node (the node path)
@@ -526,7 +540,8 @@ class CallbackModule(CallbackBase):
         predeploy_path = self._extra_vars.get("predeploy_report_path")
         if predeploy_path:
             self._write(os.path.expanduser(str(predeploy_path)), predeploy_verdict(
-                self._reports, self._places, stats, self._predeploy_summary, self._checked_hosts, self._implicit),
+                self._reports, self._places, exit_code(self._play_broke, self._unreachable, self._play_failed),
+                self._predeploy_summary, self._checked_hosts, self._implicit),
                         "pre-deploy verdict")
         if not rows and not path:
             return

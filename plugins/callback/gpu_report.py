@@ -19,6 +19,16 @@ description:
     the MiB left after the stop.
   - "Verdicts: C(freed) (busy before, free after), C(free) (free before and after), C(busy) (still held),
     C(check) (check mode: nothing was done), C(failed) (no reading after the task failed), C(unreachable)."
+  - Every host of every play gets a row (since issue 45). A host with no GPU row gets one row of its own
+    (C(gpu_uuid) null) with the verdict C(unreachable) (the host, or its node for a task delegated to the node),
+    C(failed) (any task failed on it), C(skipped) (every task on it was skipped, or none reached it before the play
+    ended), C(ready) (C(gpuops.fleet.predeploy_check) read it ready) or C(no result) (no GPU was read for it); its
+    C(reason) says why. Such a row is left out where another host's rows already show its node and container (a
+    node's read for its containers) and it neither failed nor was unreachable, and for the implicit localhost.
+  - A container whose node was unreachable on the role's node path (and in C(gpu_info.yml) and
+    C(predeploy_check.yml)) is C(unreachable), with the reason C(node N unreachable).
+  - With the extra variable C(predeploy_report_path) (C(playbooks/predeploy_check.yml)), also writes the pre-deploy
+    verdict there as JSON at the end of the run, whatever failed; see the pre-deploy guide.
   - The actions repeat only what the modules and the role return, which the modules already redacted
     (see the C(redact) option of the modules).
   - A M(gpuops.fleet.gpu_release) delegated to a node for several containers (the node path of
@@ -37,7 +47,8 @@ options:
     description:
       - Also write the rows as JSON to this file on the controller (for maintenance logs).
       - The file holds an object with C(rows), a list of objects with the keys C(host), C(node), C(container),
-        C(gpu_uuid), C(gpu_index), C(before_mib), C(after_mib), C(rung), C(verdict) and C(actions) (a list of strings).
+        C(gpu_uuid), C(gpu_index), C(before_mib), C(after_mib), C(rung), C(verdict), C(reason) (why a row failed,
+        was unreachable or skipped, else null) and C(actions) (a list of strings).
       - Not written when empty.
       - Written to a new file of mode 0600 beside it, then renamed over it; a symlink at this path is replaced, never
         followed.

@@ -89,7 +89,7 @@ CONTAINER_VARS = ("ansible_pct_vmid", "pct_vmid", "proxmox_vmid", "vmid")
 RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "container_restart", "reset")
 COLUMNS = (("node", "NODE"), ("container", "CT"), ("host", "HOST"), ("gpu_index", "GPU"), ("gpu_uuid", "UUID"),
            ("before_mib", "BEFORE MiB"), ("after_mib", "AFTER MiB"), ("rung", "RUNG"), ("verdict", "VERDICT"),
-           ("actions", "STOPPED / SIGNALLED"), ("reason", "REASON"))
+           ("reason", "REASON"), ("actions", "STOPPED / SIGNALLED"))
 
 
 # Terminal escapes from a container's strings (process names, messages): OSC (title, hyperlinks), DCS/PM/APC/SOS

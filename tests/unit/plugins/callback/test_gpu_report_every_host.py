@@ -66,5 +66,5 @@ def test_every_host_of_the_play_has_a_row_with_its_verdict_and_reason(tmp_path, 
     table = proc.stdout.split("GPU REPORT")[1].splitlines()
     assert table[1].split()[10:12] == ["VERDICT", "REASON"], table
     for host, (vmid, verdict) in got.items():   # one line each in the table too
-        (line,) = [ln for ln in table if " %s " % host in ln]
+        (line,) = [ln for ln in table if ln.split()[2:3] == [host]]
         assert line.split()[:3] == ["pve1", str(vmid), host] and " %s " % verdict in line, line

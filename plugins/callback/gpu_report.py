@@ -550,10 +550,10 @@ class CallbackModule(CallbackBase):
         path = self.get_option("report_path")
         predeploy_path = self._extra_vars.get("predeploy_report_path")
         if predeploy_path:
-            self._write(os.path.expanduser(str(predeploy_path)), predeploy_verdict(
-                self._reports, self._places, exit_code(self._play_broke, self._unreachable, self._play_failed),
-                self._predeploy_summary, self._checked_hosts, self._implicit),
-                        "pre-deploy verdict")
+            verdict = predeploy_verdict(self._reports, self._places,
+                                        exit_code(self._play_broke, self._unreachable, self._play_failed),
+                                        self._predeploy_summary, self._checked_hosts, self._implicit)
+            self._write(os.path.expanduser(str(predeploy_path)), verdict, "pre-deploy verdict")
         if not rows and not path:
             return
         self._display.banner("GPU REPORT")

@@ -5,8 +5,6 @@ import subprocess
 import sys
 import warnings
 
-import pytest
-
 import yaml
 from ansible.config.manager import ConfigManager
 from ansible.plugins.loader import callback_loader, init_plugin_loader

@@ -44,9 +44,9 @@ def test_every_host_of_the_play_has_a_row_with_its_verdict_and_reason(tmp_path, 
     (tmp_path / "play.yml").write_text(FIRST_PLAY + (SECOND_PLAY if broken else ""))
     env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_CALLBACKS_ENABLED="gpuops.fleet.gpu_report",
                GPUOPS_REPORT_PATH=str(tmp_path / "rows.json"), ANSIBLE_HOST_KEY_CHECKING="0")
-    proc = subprocess.run([os.path.join(BIN, "ansible-playbook"), "-i", str(tmp_path / "inventory.yml"),
-                           str(tmp_path / "play.yml"), "-e", "predeploy_report_path=%s" % (tmp_path / "verdict.json")], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=120, check=False)
+    proc = subprocess.run([os.path.join(BIN, "ansible-playbook"), "-i", str(tmp_path / "inventory.yml"), str(tmp_path / "play.yml"),
+                           "-e", "predeploy_report_path=%s" % (tmp_path / "verdict.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     assert proc.returncode == (2 if broken else 4), proc.stdout + proc.stderr
     # the exit status in predeploy_report_path's file is the one ansible-playbook returned, whichever play decided it
     assert json.loads((tmp_path / "verdict.json").read_text())["exit_code"] == proc.returncode

@@ -19,6 +19,16 @@ description:
     the MiB left after the stop.
   - "Verdicts: C(freed) (busy before, free after), C(free) (free before and after), C(busy) (still held),
     C(check) (check mode: nothing was done), C(failed) (no reading after the task failed), C(unreachable)."
+  - Every host of every play gets a row (since issue 45). A host with no GPU row gets one row of its own
+    (C(gpu_uuid) null) with the verdict C(unreachable) (the host, or its node for a task delegated to the node),
+    C(failed) (any task failed on it), C(skipped) (every task on it was skipped, or none reached it before the play
+    ended), C(ready) (C(gpuops.fleet.predeploy_check) read it ready) or C(no result) (no GPU was read for it); its
+    C(reason) says why. Such a row is left out where another host's rows already show its node and container (a
+    node's read for its containers) and it neither failed nor was unreachable, and for the implicit localhost.
+  - A container whose node was unreachable on the role's node path (and in C(gpu_info.yml) and
+    C(predeploy_check.yml)) is C(unreachable), with the reason C(node N unreachable).
+  - With the extra variable C(predeploy_report_path) (C(playbooks/predeploy_check.yml)), also writes the pre-deploy
+    verdict there as JSON at the end of the run, whatever failed; see the pre-deploy guide.
   - The actions repeat only what the modules and the role return, which the modules already redacted
     (see the C(redact) option of the modules).
   - A M(gpuops.fleet.gpu_release) delegated to a node for several containers (the node path of
@@ -37,7 +47,8 @@ options:
     description:
       - Also write the rows as JSON to this file on the controller (for maintenance logs).
       - The file holds an object with C(rows), a list of objects with the keys C(host), C(node), C(container),
-        C(gpu_uuid), C(gpu_index), C(before_mib), C(after_mib), C(rung), C(verdict) and C(actions) (a list of strings).
+        C(gpu_uuid), C(gpu_index), C(before_mib), C(after_mib), C(rung), C(verdict), C(reason) (why a row failed,
+        was unreachable or skipped, else null) and C(actions) (a list of strings).
       - Not written when empty.
       - Written to a new file of mode 0600 beside it, then renamed over it; a symlink at this path is replaced, never
         followed.
@@ -45,13 +56,6 @@ options:
     env:
       - name: GPUOPS_REPORT_PATH
     ini:
-      - section: gpuops_report
-        key: report_path
-        deprecated:
-          why: the section is named as ansible-core names callback sections
-          version: 1.0.0
-          collection_name: gpuops.fleet
-          alternatives: the [callback_gpu_report] section
       - section: callback_gpu_report
         key: report_path
         version_added: 0.2.0
@@ -85,7 +89,7 @@ CONTAINER_VARS = ("ansible_pct_vmid", "pct_vmid", "proxmox_vmid", "vmid")
 RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "container_restart", "reset")
 COLUMNS = (("node", "NODE"), ("container", "CT"), ("host", "HOST"), ("gpu_index", "GPU"), ("gpu_uuid", "UUID"),
            ("before_mib", "BEFORE MiB"), ("after_mib", "AFTER MiB"), ("rung", "RUNG"), ("verdict", "VERDICT"),
-           ("actions", "STOPPED / SIGNALLED"))
+           ("reason", "REASON"), ("actions", "STOPPED / SIGNALLED"))
 
 
 # Terminal escapes from a container's strings (process names, messages): OSC (title, hyperlinks), DCS/PM/APC/SOS
@@ -117,6 +121,20 @@ class HostReport:
         self.failed = False
         self.unreachable = False
         self.check_mode = False
+        # issue 45: every host of the play gets a row, with a verdict and the reason
+        self.task_failed = False    # a task failed on it, whatever its action
+        self.role_verdict = None    # the role's own verdict (release_gpus_result.verdict) when it read no GPU
+        self.ran = 0                # results that were not skipped
+        self.skipped = 0
+        self.reasons = []           # why: failure and unreachable messages, in order
+        self.predeploy = None       # predeploy_check.yml's predeploy_result fact
+
+    def note_reason(self, text):
+        """One more reason, unless one already said it (a longer message replaces its own beginning)."""
+        text = " ".join(str(text).split())
+        if not text or any(known.startswith(text) for known in self.reasons):
+            return
+        self.reasons = [known for known in self.reasons if not text.startswith(known)] + [text]
 
     def gpu(self, entry):
         key = entry.get("uuid") or "index %s" % entry.get("index")
@@ -212,6 +230,9 @@ class HostReport:
     def add_role_result(self, report):
         """The role's release_gpus_result fact: its rows win over what the modules said."""
         self.check_mode = self.check_mode or bool(report.get("check_mode"))
+        if report.get("verdict") == "unreachable" or report.get("node_unreachable"):
+            self.role_verdict = "unreachable"   # its node was unreachable: nothing was read for it (issue 45)
+            self.note_reason(report.get("reason") or "its node is unreachable")
         if report.get("stopped"):
             self.stopped = list(report["stopped"])
         self.note_left_changed(report.get("left_changed"))
@@ -248,13 +269,30 @@ class HostReport:
                         "before_mib": before, "after_mib": after,
                         "rung": rung if rung in RUNGS else str(rung),
                         "verdict": "failed" if self.left_changed else verdict,
+                        "reason": "; ".join(self.reasons) or None if self.left_changed or verdict == "failed" else None,
                         "actions": ["stopped " + s for s in self.stopped] + row["signals"] + self.left_changed})
-        if not out and (self.unreachable or self.failed):
+        if not out:
+            verdict, reason = self.host_verdict()
             out.append({"host": self.host, "node": node, "container": container, "gpu_uuid": None, "gpu_index": None,
-                        "before_mib": None, "after_mib": None, "rung": "none",
-                        "verdict": "unreachable" if self.unreachable else "failed",
+                        "before_mib": None, "after_mib": None, "rung": "none", "verdict": verdict, "reason": reason,
                         "actions": ["stopped " + s for s in self.stopped] + self.left_changed})
         return out
+
+    def host_verdict(self):
+        """(verdict, reason) of a host that has no GPU row: unreachable, failed, skipped or no result (issue 45)."""
+        reasons = "; ".join(self.reasons)
+        if self.unreachable or self.role_verdict == "unreachable" or (self.predeploy or {}).get("verdict") == "unreachable":
+            return "unreachable", reasons or "unreachable"
+        if self.failed or self.task_failed:
+            return "failed", reasons or "a task failed"
+        if self.left_changed:
+            return "failed", "left changed by the release"
+        if (self.predeploy or {}).get("verdict") == "ready":
+            return "ready", "predeploy_check.yml: every targeted GPU of it is ready"
+        if not self.ran:
+            return "skipped", ("every task on it was skipped" if self.skipped else
+                               "no task ran on it: the play ended before it got one")
+        return "no result", "no GPU was read for it"
 
 
 def host_place(hostvars, host):
@@ -270,15 +308,88 @@ def host_place(hostvars, host):
     return (str(node) if node is not None else None), container
 
 
-def build_rows(reports, places):
-    """All rows, sorted by node, container, host and GPU index. places: host -> (node, container)."""
-    rows = []
+def build_rows(reports, places, implicit=()):
+    """All rows, sorted by node, container, host and GPU index. places: host -> (node, container).
+
+    Every host gets a row (issue 45): its GPUs' rows, or one row of its own (gpu_uuid null) with the verdict
+    unreachable, failed, skipped or no result and the reason. A host's own row is left out where another host's rows
+    already name its node and container (a node's read for its containers), and for implicit hosts (localhost)
+    unless one failed or was unreachable. A GPU row without a UUID is left out, as before.
+    """
+    gpu_rows, host_rows = [], []
     for host, report in reports.items():
         node, container = places.get(host, (host, None))
-        rows.extend(report.rows(node, container))
+        for row in report.rows(node, container):
+            (gpu_rows if row["gpu_uuid"] else host_rows).append(row)
+    covered = set((r["host"], None) for r in gpu_rows) | set((str(r["node"]), str(r["container"])) for r in gpu_rows
+                                                             if r["container"] is not None)
+    rows = gpu_rows + [r for r in host_rows if r["verdict"] in ("unreachable", "failed") or (
+        r["host"] not in implicit and (r["host"], None) not in covered
+        and (r["container"] is None or (str(r["node"]), str(r["container"])) not in covered))]
     rows.sort(key=lambda r: (str(r["node"]), str(r["container"]), r["host"],
                              r["gpu_index"] if isinstance(r["gpu_index"], int) else -1, str(r["gpu_uuid"])))
     return rows
+
+
+def _message(res):
+    """A failed or unreachable result's message, on one line."""
+    text = res.get("msg") or res.get("reason") or res.get("stderr") or res.get("module_stderr") or ""
+    return " ".join(to_native(text).split())
+
+
+def exit_code(broke, unreachable, failed):
+    """The status ansible-playbook exits with, as ansible-core's strategy and PlaybookExecutor decide it from the last
+    play that ran: 2 when it broke off (max_fail_percentage), else 4 when a host of the run was unreachable, else 2 when
+    a host of that play failed, else 0."""
+    if broke:
+        return 2
+    if unreachable:
+        return 4
+    return 2 if failed else 0
+
+
+def predeploy_verdict(reports, places, code, summary, checked_hosts, implicit=()):
+    """playbooks/predeploy_check.yml's verdict for a pipeline (issue 45), from what its tasks and the run said.
+
+    verdict: ready (exit 0, every container checked ready), not_ready (exit 2: a container at fault, fewer containers
+    than expected), unreachable (exit 4: a container or its node unreachable), not_checked (nothing checked: the first
+    play failed, or a --limit left no container, which exits 0). The exit code is the one ansible-playbook returns.
+    """
+    containers = []
+    for host in sorted(h for h in reports if h in checked_hosts and h not in implicit):
+        report = reports[host]
+        node, container = places.get(host, (host, None))
+        mine = report.predeploy or {}
+        if report.unreachable or report.role_verdict == "unreachable":
+            verdict, reasons = "unreachable", list(report.reasons) or ["unreachable"]
+        elif mine.get("verdict"):
+            verdict, reasons = str(mine["verdict"]), [str(r) for r in mine.get("reasons") or []]
+        elif report.task_failed:
+            verdict, reasons = "failed", list(report.reasons)
+        else:
+            verdict, reasons = "not_checked", [report.host_verdict()[1]]
+        remedies = [str(r) for r in mine.get("remedies") or []]
+        if verdict == "unreachable" and not remedies:
+            remedies = ["make it and its node reachable from the controller (SSH), then run the check again"]
+        containers.append({"host": host, "node": node, "container": container, "verdict": verdict, "reasons": reasons,
+                           "remedies": remedies})
+    summary = summary or {}
+    reasons = [str(line) for line in summary.get("lines") or []]
+    for host in sorted(implicit):   # the first play's localhost: why there was nothing to check
+        reasons.extend(reports[host].reasons if host in reports else [])
+    checked = [c for c in containers if c["verdict"] in ("ready", "not_ready")]
+    if code == 4:
+        verdict = "unreachable"
+    elif code == 0:
+        verdict = "ready" if summary.get("verdict") == "ready" and checked else "not_checked"
+    elif summary.get("verdict") in ("not_ready", "not_checked"):
+        verdict = summary["verdict"]
+    else:
+        verdict = "not_ready" if checked else "not_checked"
+    if verdict == "not_checked" and not reasons:
+        reasons = ["no container was checked"]
+    return {"verdict": verdict, "exit_code": code, "ready": verdict == "ready" and code == 0,
+            "checked": len(checked), "expected": summary.get("expected"), "reasons": reasons, "containers": containers}
 
 
 def render_table(rows):
@@ -333,11 +444,24 @@ class CallbackModule(CallbackBase):
         self._reports = {}
         self._places = {}
         self._play = None
+        self._implicit = set()
+        self._extra_vars = {}
+        self._predeploy_summary = None
+        self._checked_hosts = set()
+        # what decides ansible-playbook's exit status (exit_code)
+        self._unreachable = set()
+        self._play_failed = set()
+        self._play_broke = False
 
     def _report(self, result):
-        name = result._host.get_name()
+        return self._host_report(result._host)
+
+    def _host_report(self, host):
+        name = host.get_name()
         if name not in self._places:
-            self._places[name] = host_place(self._hostvars(result._host), name)
+            self._places[name] = host_place(self._hostvars(host), name)
+        if getattr(host, "implicit", False):
+            self._implicit.add(name)
         return self._reports.setdefault(name, HostReport(name))
 
     def _hostvars(self, host):
@@ -362,45 +486,90 @@ class CallbackModule(CallbackBase):
     def _ingest(self, result, failed=False):
         res = result._result if isinstance(result._result, dict) else {}
         action = result._task.action if result._task else ""
-        relevant = action in STATUS_ACTIONS + RELEASE_ACTIONS or "ansible_facts" in res or "results" in res
-        if not relevant and not failed:
-            return
         report = self._report(result)
+        report.ran += 1
+        if failed:  # any task's failure: the host's own row says failed, and why (issue 45)
+            report.task_failed = True
+            report.note_reason(_message(res))
+        relevant = action in STATUS_ACTIONS + RELEASE_ACTIONS or "ansible_facts" in res or "results" in res
+        if not relevant:
+            return
         if failed and action in STATUS_ACTIONS + RELEASE_ACTIONS and not res.get("after"):
             report.failed = True
         ingest(report, action, res, delegated=bool(getattr(result._task, "delegate_to", None)))
+        facts = res.get("ansible_facts") or {}
+        if isinstance(facts.get("predeploy_result"), dict):
+            report.predeploy = facts["predeploy_result"]
+        if isinstance(facts.get("predeploy_summary"), dict):
+            self._predeploy_summary = facts["predeploy_summary"]
 
     def v2_playbook_on_play_start(self, play):
         self._play = play
+        self._play_failed, self._play_broke = set(), False
+        try:   # every host of the play gets a row, even one that no task reached (issue 45)
+            manager = play.get_variable_manager()
+            self._extra_vars = dict(manager.extra_vars)
+            # every batch of a serial play (restrictions), within --limit
+            hosts = manager._inventory.get_hosts(play.hosts, ignore_restrictions=True)   # pylint: disable=protected-access
+        except Exception:  # pylint: disable=broad-except  # the hosts that report a result still get their rows
+            hosts = []
+        patterns = [play.hosts] if isinstance(play.hosts, str) else list(play.hosts or [])
+        for host in hosts:
+            self._host_report(host)
+            if patterns != ["localhost"]:   # predeploy_check.yml's first play checks the inventory, no container
+                self._checked_hosts.add(host.get_name())
 
     def v2_runner_on_ok(self, result):
         self._ingest(result)
 
     def v2_runner_on_failed(self, result, ignore_errors=False):
         self._ingest(result, failed=not ignore_errors)
+        if not ignore_errors:
+            self._play_failed.add(result._host.get_name())
+
+    def v2_playbook_on_no_hosts_remaining(self):
+        self._play_broke = True   # the linear strategy says so only when it breaks the play off
+
+    def v2_runner_on_skipped(self, result):
+        self._report(result).skipped += 1
 
     def v2_runner_on_unreachable(self, result):
-        self._report(result).unreachable = True
+        report = self._report(result)
+        report.unreachable = True
+        if not getattr(result._task, "ignore_unreachable", False):
+            self._unreachable.add(result._host.get_name())
+        res = result._result if isinstance(result._result, dict) else {}
+        delegate = getattr(result._task, "delegate_to", None) if result._task else None
+        if delegate and delegate != result._host.get_name():   # a task delegated to its node (the node path)
+            report.note_reason("node %s unreachable: %s" % (delegate, _message(res)))
+        else:
+            report.note_reason("unreachable: %s" % _message(res))
 
     def v2_playbook_on_stats(self, stats):
-        rows = [r for r in build_rows(self._reports, self._places) if r["gpu_uuid"] or r["verdict"] in ("unreachable", "failed")]
+        rows = build_rows(self._reports, self._places, self._implicit)
         path = self.get_option("report_path")
+        predeploy_path = self._extra_vars.get("predeploy_report_path")
+        if predeploy_path:
+            verdict = predeploy_verdict(self._reports, self._places,
+                                        exit_code(self._play_broke, self._unreachable, self._play_failed),
+                                        self._predeploy_summary, self._checked_hosts, self._implicit)
+            self._write(os.path.expanduser(str(predeploy_path)), verdict, "pre-deploy verdict")
         if not rows and not path:
             return
         self._display.banner("GPU REPORT")
         for line in render_table(rows) if rows else ["no GPU results in this run"]:
             self._display.display(line)
         if path:
-            self._write(os.path.expanduser(path), rows)
+            self._write(os.path.expanduser(path), {"rows": rows}, "GPU report")
 
-    def _write(self, path, rows):
-        """The rows as JSON (control characters escaped by json): a new file of mode 0600 renamed over path."""
-        data = to_bytes(json.dumps({"rows": rows}, indent=2, sort_keys=True) + "\n")
+    def _write(self, path, content, what):
+        """content as JSON (control characters escaped by json): a new file of mode 0600 renamed over path."""
+        data = to_bytes(json.dumps(content, indent=2, sort_keys=True) + "\n")
         try:
             if os.path.dirname(path):
                 os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
             replace_file(path, data, 0o600)
         except OSError as exc:
-            self._display.warning("gpu_report: the report was not written to %s: %s" % (path, to_native(exc)))
+            self._display.warning("gpu_report: the %s was not written to %s: %s" % (what, path, to_native(exc)))
             return
-        self._display.display("GPU report written to %s" % path)
+        self._display.display("%s written to %s" % (what[0].upper() + what[1:], path))

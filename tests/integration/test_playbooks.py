@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from _labfixture import clean_role_lab, module_lab
-from _rolelab import REPO, RoleLab, alive, wait_until, wave_includes
+from _rolelab import REPO, RoleLab, alive, parse_recap, wait_until, wave_includes
 
 LAB_ID = os.environ.get("PLAYBOOK_TEST_LAB_ID", "playtest")
 
@@ -589,3 +589,127 @@ def test_predeploy_check_fails_on_a_gpu_that_needs_a_reset_or_lacks_the_memory_a
     fits = lab.playbook("predeploy_check.yml", {"release_gpus_from": route, "predeploy_hosts": "ct202",
                                                 "predeploy_need_fraction": 0.9})
     assert fits.rc == 0, predeploy_lines(fits.output)
+
+
+# ---- issue 45: every host in the report; a node that is unreachable; the pre-deploy verdict for pipelines -----
+
+def node_down_inventory(lab, nodes=("pve1",)):
+    """The lab's inventory with NODES unreachable (ssh to a port where nothing listens); their containers stay
+    reachable (the pct connection reaches them through the node's sshd, which still listens on port 22)."""
+    with open(lab.inventory) as handle:
+        inv = yaml.safe_load(handle)
+    for node in nodes:
+        inv["all"]["children"]["pve_nodes"]["hosts"][node]["ansible_port"] = 9
+    path = os.path.join(lab.workdir, "nodes-down-%s.yml" % "-".join(nodes))
+    with open(path, "w") as handle:
+        yaml.safe_dump(inv, handle)
+    return path
+
+
+def play_with_report(lab, book, inventory, extra_vars, tmp_name, limit=None, check=False):
+    """ansible-playbook BOOK with the gpu_report callback on: (rc, stdout and stderr, rows of its JSON, the path of
+    predeploy_report_path's file)."""
+    rows_path = os.path.join(lab.workdir, tmp_name + "-rows.json")
+    verdict_path = os.path.join(lab.workdir, tmp_name + "-predeploy.json")
+    for path in (rows_path, verdict_path):
+        if os.path.exists(path):
+            os.unlink(path)
+    variables = dict(extra_vars)
+    if book == "predeploy_check.yml":
+        variables["predeploy_report_path"] = verdict_path
+    cmd = [os.path.join(os.path.dirname(sys.executable), "ansible-playbook"), "-i", inventory,
+           os.path.join(REPO, "playbooks", book), "-e", json.dumps(variables)]
+    cmd += (["--limit", limit] if limit else []) + (["--check"] if check else [])
+    env = dict(lab.env, ANSIBLE_CALLBACKS_ENABLED="gpuops.fleet.gpu_report", GPUOPS_REPORT_PATH=rows_path)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          universal_newlines=True, timeout=300, check=False)
+    with open(rows_path) as handle:
+        rows = json.load(handle)["rows"]
+    return proc.returncode, proc.stdout, rows, verdict_path
+
+
+@pytest.mark.parametrize("check", [True, False], ids=["check", "release"])
+def test_containers_of_an_unreachable_node_fail_naming_it_and_each_has_a_report_row(clean, check):
+    """Issue 45 (failed on 443c3b6): on the node path, with pve1 unreachable, ct101 runs the node task (unreachable)
+    and ct102 failed with "GPUs not free ... no result" (ok in --check) and had no row. Now each fails naming the node,
+    in check mode too, and each has a row with the verdict unreachable and the reason."""
+    lab = clean
+    rc, output, rows, dummy = play_with_report(
+        lab, "release_gpus.yml", node_down_inventory(lab), {"release_gpus_advanced": {"install_deps": False}},
+        "down-%s" % check, limit="ct101,ct102,ct201", check=check)
+    assert rc == 4, output
+    assert re.search(r"^fatal: \[ct101 -> pve1\]: UNREACHABLE!", output, re.M), output
+    peer = re.search(r"^fatal: \[ct102\]: FAILED! => (.*)$", output, re.M)
+    assert peer and "node pve1 unreachable: nothing was read or released for ct102 (container 102)" in peer.group(1), output
+    assert "not free" not in peer.group(1) and not re.search(r"^ok: \[ct102\]", output.split("Node path | Fail")[-1], re.M)
+    recap = parse_recap(output)
+    assert (recap["ct101"]["unreachable"], recap["ct102"]["failed"], recap["ct201"]["failed"]) == (1, 1, 0), output
+    by_host = collections.defaultdict(list)
+    for row in rows:
+        by_host[row["host"]].append(row)
+    assert sorted(by_host) == ["ct101", "ct102", "ct201"], rows
+    for host, vmid in (("ct101", 101), ("ct102", 102)):
+        (row,) = by_host[host]
+        assert (row["node"], row["container"], row["verdict"]) == ("pve1", vmid, "unreachable"), row
+        assert row["reason"].startswith("node pve1 unreachable"), row
+    assert by_host["ct201"] and all(r["verdict"] == ("check" if check else "free") for r in by_host["ct201"]), rows
+    table = output.split("GPU REPORT")[-1]
+    assert re.search(r"^pve1\s+102\s+ct102\s.*\sunreachable\s.*node pve1 unreachable", table, re.M), table
+
+
+def test_predeploy_writes_its_json_verdict_and_a_failed_run_never_says_ok(clean):
+    """Issue 45 (failed on 443c3b6: a failed run quoted "PREDEPLOY OK" from the playbook's source, and wrote no
+    verdict): predeploy_report_path gets the verdict, the exit code that ansible-playbook returns and each container's
+    verdict, reasons and remedies, when the check fails, when a node is unreachable and when it passes."""
+    lab = clean
+    holder = lab.run("plain", 102, [0], 512)
+    variables = {"predeploy_hosts": "ct101,ct102,ct201", "predeploy_expect_hosts": 4}
+    rc, output, rows, path = play_with_report(lab, "predeploy_check.yml", lab.inventory, variables, "busy")
+    assert rc == 2 and "PREDEPLOY OK" not in output, output
+    with open(path) as handle:
+        verdict = json.load(handle)
+    assert (verdict["verdict"], verdict["exit_code"], verdict["ready"], verdict["checked"]) == ("not_ready", 2, False, 3)
+    assert "PREDEPLOY FAIL: expected 4 containers, checked 3" in verdict["reasons"], verdict
+    mine = {c["host"]: c for c in verdict["containers"]}
+    assert sorted(mine) == ["ct101", "ct102", "ct201"], verdict
+    assert mine["ct101"]["verdict"] == mine["ct201"]["verdict"] == "ready", verdict
+    busy = mine["ct102"]
+    assert (busy["verdict"], busy["node"], busy["container"]) == ("not_ready", "pve1", 102), busy
+    assert busy["reasons"] == ["GPU 2 (%s): 512 MiB used, holders %d (container 102)"
+                               % (uuid_of(lab, 102, 0), holder["node_holders"][0])], busy
+    assert busy["remedies"] and "release_gpus" in busy["remedies"][0], busy
+    assert os.stat(path).st_mode & 0o777 == 0o600
+    # pve1 unreachable: its containers are unreachable, exit 4, and still no "PREDEPLOY OK"
+    rc, output, rows, path = play_with_report(lab, "predeploy_check.yml", node_down_inventory(lab),
+                                              {"predeploy_hosts": "ct101,ct102,ct201"}, "down")
+    assert rc == 4 and "PREDEPLOY OK" not in output, output
+    with open(path) as handle:
+        verdict = json.load(handle)
+    assert (verdict["verdict"], verdict["exit_code"]) == ("unreachable", 4), verdict
+    mine = {c["host"]: c for c in verdict["containers"]}
+    assert [mine[h]["verdict"] for h in ("ct101", "ct102", "ct201")] == ["unreachable", "unreachable", "ready"], verdict
+    assert all(r.startswith("node pve1 unreachable") for h in ("ct101", "ct102") for r in mine[h]["reasons"]), verdict
+    assert "make node pve1 reachable" in mine["ct102"]["remedies"][0], verdict
+    assert sorted(r["host"] for r in rows if r["verdict"] == "unreachable") == ["ct101", "ct102"], rows
+    # the holder gone: ready, exit 0, the OK line
+    os.kill(holder["holders"][0], 9)
+    wait_until(lambda: lab.gpus()[("102", 0)] == 0, 30, "GPU 0 of ct102 to be freed")
+    rc, output, rows, path = play_with_report(lab, "predeploy_check.yml", lab.inventory,
+                                              {"predeploy_hosts": "ct102", "predeploy_expect_hosts": 1}, "free")
+    assert rc == 0 and predeploy_lines(output) == ["PREDEPLOY OK: every targeted GPU is free on 1 containers"], output
+    with open(path) as handle:
+        verdict = json.load(handle)
+    assert (verdict["verdict"], verdict["exit_code"], verdict["ready"], verdict["reasons"]) == (
+        "ready", 0, True, ["PREDEPLOY OK: every targeted GPU is free on 1 containers"]), verdict
+    assert [(c["host"], c["verdict"], c["reasons"]) for c in verdict["containers"]] == [("ct102", "ready", [])], verdict
+
+
+def test_predeploy_report_path_without_the_callback_fails_before_any_read(tmp_path):
+    """predeploy_report_path is written by the gpu_report callback: asked for without it, the first play fails,
+    naming what to set, and nothing is contacted (the static inventory's hosts refuse any connection)."""
+    inv = static_inventory(tmp_path)
+    run = predeploy([inv], True, ["predeploy_report_path=%s" % (tmp_path / "verdict.json")])
+    assert run.rc == 2 and CHECK_PLAY not in run.output, run.output
+    assert ("PREDEPLOY FAIL: predeploy_report_path is written by the gpu_report callback, which is not enabled: set"
+            " ANSIBLE_CALLBACKS_ENABLED=gpuops.fleet.gpu_report") in run.output, run.output
+    assert not (tmp_path / "verdict.json").exists()

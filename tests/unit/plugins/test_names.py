@@ -1,11 +1,9 @@
 """Issue 22's conventional names, with the old ones still working: the module gpu_info (gpu_status redirects to it,
-deprecated) and the callback's [callback_gpu_report] ini section ([gpuops_report] still read, deprecated)."""
+deprecated) and the callback's [callback_gpu_report] ini section (the old [gpuops_report] was removed in issue 45)."""
 import os
 import subprocess
 import sys
 import warnings
-
-import pytest
 
 import yaml
 from ansible.config.manager import ConfigManager
@@ -47,11 +45,10 @@ def test_old_gpu_status_name_runs_gpu_info_and_says_it_is_deprecated(tmp_path):
             or "removed from gpuops.fleet in version 1.0.0" in text), text
 
 
-@pytest.mark.parametrize('section', ['callback_gpu_report', 'gpuops_report'])
-def test_report_path_is_read_from_the_conventional_section_and_the_old_one(section, tmp_path, monkeypatch):
+def _report_path(tmp_path, section):
+    """report_path as ansible-playbook reads it from an ansible.cfg with only SECTION: (value, origin, deprecations)."""
     config = tmp_path / 'ansible.cfg'
     config.write_text('[%s]\nreport_path = %s\n' % (section, tmp_path / 'rows.json'))
-    monkeypatch.delenv('GPUOPS_REPORT_PATH', raising=False)
     # a config manager of this ansible.cfg with the callback's documented options, as ansible-playbook builds it
     manager = ConfigManager(conf_file=str(config))
     plugin = callback_loader.get('gpuops.fleet.gpu_report', class_only=True)
@@ -59,6 +56,19 @@ def test_report_path_is_read_from_the_conventional_section_and_the_old_one(secti
     manager.initialize_plugin_configuration_definitions('callback', 'gpuops.fleet.gpu_report', options)
     value, origin = manager.get_config_value_and_origin('report_path', plugin_type='callback',
                                                         plugin_name='gpuops.fleet.gpu_report')
-    assert (value, origin) == (str(tmp_path / 'rows.json'), str(config))
-    deprecated = [name for name, dummy in manager.DEPRECATED]
-    assert deprecated == (['[gpuops_report]report_path'] if section == 'gpuops_report' else []), deprecated
+    return value, origin, [name for name, dummy in manager.DEPRECATED]
+
+
+def test_report_path_is_read_from_the_conventional_section(tmp_path, monkeypatch):
+    monkeypatch.delenv('GPUOPS_REPORT_PATH', raising=False)
+    value, origin, deprecated = _report_path(tmp_path, 'callback_gpu_report')
+    assert (value, origin) == (str(tmp_path / 'rows.json'), str(tmp_path / 'ansible.cfg'))
+    assert deprecated == [], deprecated
+
+
+def test_the_removed_gpuops_report_section_is_not_read(tmp_path, monkeypatch):
+    """Issue 45: the deprecated [gpuops_report] section is gone; a file that still has it sets nothing."""
+    monkeypatch.delenv('GPUOPS_REPORT_PATH', raising=False)
+    value, origin, deprecated = _report_path(tmp_path, 'gpuops_report')
+    assert value is None and origin == 'default', (value, origin)
+    assert deprecated == [], deprecated

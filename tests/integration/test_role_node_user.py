@@ -30,8 +30,8 @@ def inventory(lab, **node_vars):
     with open(lab.inventory) as f:
         inv = yaml.safe_load(f)
     inv["all"]["children"]["pve_nodes"]["hosts"]["pve1"].update(node_vars)
-    path = tempfile.mktemp(dir=lab.workdir, prefix="inventory-", suffix=".yml")
-    with open(path, "w") as f:
+    handle, path = tempfile.mkstemp(dir=lab.workdir, prefix="inventory-", suffix=".yml")
+    with os.fdopen(handle, "w") as f:
         yaml.safe_dump(inv, f)
     return path
 
@@ -43,8 +43,8 @@ def release(lab, inv, advanced=None):
                                                 # an index that refuses at once: the node's install takes the wheels
                                                 "deps_pip_extra_args": ["--isolated", "--index-url", "http://127.0.0.1:9/simple"],
                                                 "wheel_dir": WHEELS}, **(advanced or {}))}
-    vars_file = tempfile.mktemp(dir=lab.workdir, prefix="vars-", suffix=".json")
-    with open(vars_file, "w") as f:
+    handle, vars_file = tempfile.mkstemp(dir=lab.workdir, prefix="vars-", suffix=".json")
+    with os.fdopen(handle, "w") as f:
         json.dump(variables, f)
     proc = subprocess.run([os.path.join(os.path.dirname(os.path.abspath(sys.executable)), "ansible-playbook"), "-i", inv,
                            os.path.join(REPO, "playbooks", "release_gpus.yml"), "-e", "@" + vars_file],
@@ -72,8 +72,8 @@ def node_python(lab):
         shutil.rmtree(root, ignore_errors=True)
 
 
-def test_node_path_as_gpuops_with_become_installs_on_the_node_releases_and_changes_nothing_the_second_time(clean,
-                                                                                                       node_python):
+def test_node_path_as_gpuops_with_become_installs_on_the_node_releases_and_changes_nothing_the_second_time(
+        clean, node_python):
     lab = clean
     root, python = node_python
     inv = inventory(lab, ansible_user="gpuops", ansible_python_interpreter=python)

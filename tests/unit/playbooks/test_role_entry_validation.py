@@ -66,8 +66,8 @@ ENTRIES = [
 
 
 @pytest.mark.parametrize("book, extra, entry", ENTRIES, ids=["%s-%s" % (b[:-4], e) for b, x, e in ENTRIES])
-def test_a_typo_in_release_gpus_advanced_fails_the_entrys_check_naming_it_before_any_host_is_reached(tmp_path, book,
-                                                                                                    extra, entry):
+def test_a_typo_in_release_gpus_advanced_fails_the_entrys_check_naming_it_before_any_host_is_reached(
+        tmp_path, book, extra, entry):
     rc, out = play(tmp_path, book, dict(extra, release_gpus_advanced={"verify_timout": 5}))
     assert rc == 2, out
     assert "release_gpus_advanced.verify_timout. Supported parameters include" in out, out

@@ -219,7 +219,7 @@ keyed_groups:
 #   @gpu_containers, @proxmox_node_pve1, @proxmox_nodes, @multi_gpu, @tag_gpu ...
 
 # gpu.proxmox_gpu.yml: node hosts named pve-NODE, as root with a given key, for the node-side view
-# (ansible-playbook -i gpu.proxmox_gpu.yml playbooks/gpu_status.yml -e gpu_status_hosts=proxmox_nodes);
+# (ansible-playbook -i gpu.proxmox_gpu.yml playbooks/gpu_info.yml -e gpu_status_hosts=proxmox_nodes);
 # each container's proxmox_node_host names its node host (pve-pve1, ...)
 plugin: gpuops.fleet.proxmox_gpu
 url: https://pve1.example.org:8006

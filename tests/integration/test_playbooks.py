@@ -1,4 +1,4 @@
-"""playbooks/gpu_status.yml, predeploy_check.yml and release_gpus.yml (throttle, serial,
+"""playbooks/gpu_info.yml (gpu_status.yml before 0.2.0), predeploy_check.yml and release_gpus.yml (throttle, serial,
 max_fail_percentage) against the lab, through gpuops.fleet.pct. Truth from `labctl gpus` and /proc."""
 import collections
 import contextlib
@@ -26,7 +26,7 @@ def test_gpu_status_reports_the_fleet_and_changes_nothing(clean):
     lab = clean
     holder = lab.run("plain", 101, [1], 384)
     monitor = lab.run("monitor", 201)
-    result = lab.playbook("gpu_status.yml", limit="ct101,ct201")     # a container of each node; the others add time
+    result = lab.playbook("gpu_info.yml", limit="ct101,ct201")     # a container of each node; the others add time
     assert result.rc == 0, result
     assert sorted(result.recap) == ["ct101", "ct201"] and result.changed() == 0, result
     pid_in_ct = holder["container_holders"][0]
@@ -39,11 +39,11 @@ def test_gpu_status_reports_the_fleet_and_changes_nothing(clean):
 
 
 def test_gpu_status_reads_each_node_once_for_its_containers(clean):
-    """Issue 20: with release_gpus_from auto (the default), gpu_status.yml reads each node once; each container
+    """Issue 20: with release_gpus_from auto (the default), gpu_info.yml reads each node once; each container
     still has its lines: the GPUs its config passes in, numbered as on the node, holders with their container."""
     lab = clean
     holder = lab.run("plain", 101, [1], 384)
-    result = lab.playbook("gpu_status.yml", {"release_gpus_from": "auto"})
+    result = lab.playbook("gpu_info.yml", {"release_gpus_from": "auto"})
     assert result.rc == 0 and len(result.recap) == 6 and result.changed() == 0, result
     reads = result.output.split("Node view | Read each node's GPUs once")[1].split("TASK [")[0]
     assert sorted(re.findall(r"^ok: \[ct\d+ -> (pve\d)", reads, re.M)) == ["pve1", "pve2"], result
@@ -443,7 +443,7 @@ def test_serial_batches_stop_at_max_fail_percentage(clean):
     assert alive(later["holders"][0]) and lab.gpus()[("201", 0)] == 128
 
 
-# ---- gpu_status.yml's node view (hosts in proxmox_nodes) ------------------------------------------
+# ---- gpu_info.yml's node view (hosts in proxmox_nodes) ------------------------------------------
 
 # A node-side gpu_status result as the module returns it on a Proxmox node (view "node"), trimmed to what
 # the table reads: GPU 1 shared by containers 101 and 202, a process of the node itself, memory no process
@@ -482,7 +482,7 @@ def test_gpu_status_node_table_from_a_recorded_result(tmp_path):
     recorded.write_text(json.dumps({"gpu_status_recorded": {
         "pve1": RECORDED_NODE, "pve2": {"failed": True, "msg": "NVML failed: Driver Not Loaded"}}}))
     proc = subprocess.run([os.path.join(os.path.dirname(sys.executable), "ansible-playbook"), "-i", str(inv),
-                           os.path.join(REPO, "playbooks", "gpu_status.yml"), "-e", "gpu_status_hosts=proxmox_nodes",
+                           os.path.join(REPO, "playbooks", "gpu_info.yml"), "-e", "gpu_status_hosts=proxmox_nodes",
                            "-e", "@%s" % recorded], cwd=REPO, env=dict(os.environ, ANSIBLE_NOCOLOR="1"),
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=120,
                           check=False)
@@ -514,7 +514,7 @@ def test_gpu_status_node_view_in_the_lab(clean):
     api_inventory = lab.labctl("inventory", "--api", parse=False)
     static, lab.inventory = lab.inventory, api_inventory
     try:
-        result = lab.playbook("gpu_status.yml", extra_vars={"gpu_status_hosts": "proxmox_nodes"})
+        result = lab.playbook("gpu_info.yml", extra_vars={"gpu_status_hosts": "proxmox_nodes"})
     finally:
         lab.inventory = static
     assert result.rc == 0, result

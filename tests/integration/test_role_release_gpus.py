@@ -261,9 +261,8 @@ def test_missing_wheels_fail_with_a_clear_message(clean):
     empty = os.path.join(lab.workdir, "no-wheels")
     os.makedirs(empty, exist_ok=True)
     try:
-        # the flat names of 0.1.0 (deprecated) are still read: the message names their folder
-        variables = {"ansible_python_interpreter": python, "release_gpus_wheel_dir": empty,
-                     "release_gpus_deps_sources": ["wheels"]}
+        variables = {"ansible_python_interpreter": python,
+                     "release_gpus_advanced": {"wheel_dir": empty, "deps_sources": ["wheels"]}}
         result = lab.playbook("release_gpus.yml", variables, limit="ct203")
         assert result.rc != 0, result
         assert "No wheel for psutil, nvidia-ml-py in release_gpus_advanced.wheel_dir (%s)" % empty in result.output, result

@@ -84,7 +84,7 @@ def test_role_main_spec_has_at_most_15_variables_and_every_advanced_key_a_defaul
     keys = spec["release_gpus_advanced"]["options"]
     assert set(defaults) == set(keys)
     for key, option in keys.items():
-        # each key is read as its flat deprecated variable first, then the dict
+        # each key is read from the dict over its default (the flat variables of 0.1.0 were removed in 0.2.0)
         assert "_release_gpus_" + key in role_vars, key
         if "default" in option and not str(defaults[key]).startswith("{{"):
             assert option["default"] == defaults[key], (key, option["default"], defaults[key])

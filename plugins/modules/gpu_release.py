@@ -184,8 +184,8 @@ options:
   advanced:
     description:
       - How the release reads, waits, serialises and cleans up; the defaults suit most fleets.
-      - Each key is also accepted as a top-level option until 1.0.0 (deprecated); a key given there wins over this
-        dict.
+      - Its keys are accepted in this dict only; a top-level spelling (C(verify_timeout) beside O(gpus)) fails as an
+        unsupported parameter.
     type: dict
     default: {}
     suboptions:
@@ -359,96 +359,6 @@ options:
           - 0 or more.
         type: float
         default: 30
-  clean_shm:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.clean_shm).
-    type: bool
-  cmdline:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.cmdline).
-    type: bool
-  collateral_tolerance_mib:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.collateral_tolerance_mib).
-    type: int
-  container_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.container_timeout).
-    type: float
-  lock_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.lock_timeout).
-    type: float
-  nvml_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.nvml_timeout).
-    type: float
-  redact:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.redact).
-    type: list
-    elements: str
-  reserved_floor_mib:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.reserved_floor_mib).
-    type: int
-  reset_blockers:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.reset_blockers).
-    type: str
-    choices: [refuse, stop_services]
-  reset_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.reset_timeout).
-    type: float
-  shm_prefixes:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.shm_prefixes).
-    type: list
-    elements: str
-  stop_concurrency:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.stop_concurrency).
-    type: int
-  stop_found_units:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.stop_found_units).
-    type: bool
-  stop_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.stop_timeout).
-    type: float
-  threshold_mib:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.threshold_mib).
-    type: int
-  timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.timeout).
-    type: float
-  verify_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.verify_timeout).
-    type: float
-  proxmox_api:
-    description:
-      - Deprecated, removed in 1.0.0. Give O(api_host), O(api_user), O(api_token_id), O(api_token_secret) (or
-        O(api_password)), O(validate_certs) and O(ca_path) instead, with their C(PROXMOX_*) environment variables.
-      - Credentials for the container rung's Proxmox API calls, as C(host), C(port), C(user), C(token_id),
-        C(token_secret), C(password), C(validate_certs) and C(ca_path).
-    type: dict
-    suboptions:
-      host:
-        description: API host name or address.
-        type: str
-        required: true
-      port:
-        description: API port.
-        type: int
-        default: 8006
-      user:
-        description: User, C(USER@REALM).
-        type: str
-        required: true
-      token_id:
-        description: API token id (the part after C(!)).
-        type: str
-      token_secret:
-        description: API token secret.
-        type: str
-      password:
-        description: Password, when no token is given.
-        type: str
-      validate_certs:
-        description: Verify the API's TLS certificate.
-        type: bool
-        default: true
-      ca_path:
-        description: CA bundle to verify the API's certificate with (C(/etc/pve/pve-root-ca.pem) on a node).
-        type: path
 seealso:
   - module: gpuops.fleet.gpu_info
 """
@@ -966,8 +876,7 @@ def check_scope(module, params):
     return None
 
 
-# gpu_release's advanced options: how it reads, waits and cleans up. Each is also accepted at the top level until
-# 1.0.0 (deprecated), where it wins over the advanced dict.
+# gpu_release's advanced options: how it reads, waits and cleans up, given in the advanced dict only.
 ADVANCED_ARGS = dict(GPU_READ_ARGS)
 ADVANCED_ARGS.update(
     verify_timeout=dict(type="float", default=30.0),
@@ -985,29 +894,21 @@ ADVANCED_ARGS.update(
 )
 
 
-def deprecated_top_level(spec):
-    """The deprecated top-level spelling of an advanced option: no default, so that given means set."""
-    return dict(dict((k, v) for k, v in spec.items() if k != "default"), removed_in_version="1.0.0",
-                removed_from_collection="gpuops.fleet")
-
-
 def flatten_advanced(module):
-    """The options as one flat dict, each advanced one from its deprecated top-level spelling when given, else from
-    the advanced dict; and how each was spelled, for error messages ({name: 'advanced.NAME' or 'NAME'})."""
+    """The options as one flat dict, each advanced one from the advanced dict (its default when not given); and how
+    each is spelled, for error messages ({name: 'advanced.NAME'})."""
     params = dict(module.params)
     advanced = params["advanced"] or {}
     labels = {}
     for name, spec in ADVANCED_ARGS.items():
-        if params.get(name) is not None:
-            labels[name] = name
-            continue
         labels[name] = "advanced." + name
         params[name] = advanced.get(name, spec.get("default"))
     return params, labels
 
 
-def main():
-    argument_spec = dict(
+def argument_spec():
+    """The module's argument spec: the short public set, the advanced dict and the Proxmox API credentials."""
+    return dict(
         gpus=GPU_COMMON_ARGS["gpus"],
         match=dict(type="str"),
         protect=dict(type="list", elements="str", default=[]),
@@ -1020,16 +921,6 @@ def main():
         container_restart=dict(type="bool", default=False),
         collateral=dict(type="str", default="refuse", choices=["refuse", "stop"]),
         advanced=dict(type="dict", default={}, apply_defaults=True, options=ADVANCED_ARGS),
-        proxmox_api=dict(type="dict", removed_in_version="1.0.0", removed_from_collection="gpuops.fleet", options=dict(
-            host=dict(type="str", required=True),
-            port=dict(type="int", default=8006),
-            user=dict(type="str", required=True),
-            token_id=dict(type="str"),
-            token_secret=dict(type="str", no_log=True),
-            password=dict(type="str", no_log=True),
-            validate_certs=dict(type="bool", default=True),
-            ca_path=dict(type="path"),
-        )),
         api_host=dict(type="str", fallback=(env_fallback, ["PROXMOX_HOST"])),
         api_port=dict(type="int", fallback=(env_fallback, ["PROXMOX_PORT"])),
         api_user=dict(type="str", fallback=(env_fallback, ["PROXMOX_USER"])),
@@ -1040,8 +931,10 @@ def main():
         ca_path=dict(type="path", fallback=(env_fallback, ["PROXMOX_CA_PATH"])),
         api_timeout=dict(type="int", fallback=(env_fallback, ["PROXMOX_API_TIMEOUT"])),
     )
-    argument_spec.update((name, deprecated_top_level(spec)) for name, spec in ADVANCED_ARGS.items())
-    module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
+
+
+def main():
+    module = AnsibleModule(argument_spec=argument_spec(), supports_check_mode=True)
     started = time.monotonic()
     params, labels = flatten_advanced(module)
 

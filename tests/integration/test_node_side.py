@@ -26,6 +26,7 @@ lab = module_lab(lambda: EngineLab("node11", ["--nodes", "1", "--containers", "3
                                               "--layout", "103=2", "--shared-run-lock", "103"]))
 clean = clean_engine_lab()
 FAST = {"term_timeout": 1, "kill_timeout": 2, "advanced": {"verify_timeout": 3}}
+CLEAN_SHM = dict(FAST["advanced"], clean_shm=True)
 INSTALLED = r"Install the wheels with the target's Python, without an index\] \*+\nchanged: \[ct101 -> pve1\b"
 
 
@@ -316,7 +317,8 @@ def test_one_node_task_stops_each_containers_program_and_reports_each_container(
     program = clean.run("respawn", 101, [0], mib=600)
     plain = clean.run("plain", 102, [0], mib=400)
     program_pid = node_pid(program)
-    args = dict(FAST, containers=[101, 102, 103], shared_gpu="own", stop_found_units=True)
+    args = dict(FAST, containers=[101, 102, 103], shared_gpu="own",
+                advanced=dict(FAST["advanced"], stop_found_units=True))
     check = clean.play("pve1", "gpu_release", args, check_mode=True)
     assert not check.failed and check["changed"] is True, check
     found = check["found_units"]
@@ -589,22 +591,22 @@ def test_clean_shm_removes_only_residue_from_the_node_and_inside_and_check_mode_
         assert wait_until(lambda: "/dev/shm/sgl_live" in clean.exec(
             102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
         leak = {"path": "/dev/shm/nccl-leak", "bytes": 8192, "owner": "nccl", "vmid": 102}
-        check = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], clean_shm=True), check_mode=True)
+        check = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], advanced=CLEAN_SHM), check_mode=True)
         assert not check.failed and check["shm_residue"] == [leak] and check["shm_removed"] == [], check
         assert "1 shared-memory residue files would be removed" in check["msg"] and check["changed"]
         assert _shm_names(clean, 102) == ["PostgreSQL.1", "nccl-leak", "sgl_live"]
-        done = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], clean_shm=True))
+        done = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], advanced=CLEAN_SHM))
         assert not done.failed and done["changed"] and done["shm_removed"] == [leak] and done["shm_left"] == [], done
         assert "1 shared-memory residue files removed" in done["msg"]
         assert _shm_names(clean, 102) == ["PostgreSQL.1", "sgl_live"]
-        again = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], clean_shm=True))
+        again = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], advanced=CLEAN_SHM))
         assert not again.failed and not again["changed"] and again["shm_removed"] == [], again
     finally:
         clean.exec(102, "pkill", "-f", "gpuops_shm_user")
     try:
         assert wait_until(lambda: "/dev/shm/sgl_live" not in clean.exec(
             102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
-        inside = clean.play("ct102", "gpu_release", dict(FAST, clean_shm=True))
+        inside = clean.play("ct102", "gpu_release", dict(FAST, advanced=CLEAN_SHM))
         assert not inside.failed and [(e["path"], e["vmid"]) for e in inside["shm_removed"]] == [
             ("/dev/shm/sgl_live", None)], inside
         assert _shm_names(clean, 102) == ["PostgreSQL.1"]
@@ -766,7 +768,7 @@ def test_bind_shared_dev_shm_out_of_scope_is_skipped_by_a_node_side_clean_shm(cl
     try:
         world = _start_shared_shm_world(clean)
         assert _shared_shm_facts(clean, before, world) == SHARED_SHM_WORLD, world
-        args = dict(FAST, containers=[101], clean_shm=True)
+        args = dict(FAST, containers=[101], advanced=CLEAN_SHM)
         for check_mode in (True, False):
             play = clean.direct("pve1", "gpu_release", args, check_mode=check_mode)
             assert not play.failed and play["shm_residue"] == play["shm_removed"] == play["shm_left"] == [], play
@@ -791,7 +793,7 @@ def test_bind_shared_dev_shm_in_scope_keeps_the_node_process_live_segment(clean)
     try:
         world = _start_shared_shm_world(clean)
         assert _shared_shm_facts(clean, before, world) == SHARED_SHM_WORLD, world
-        args = dict(FAST, containers=[101], host_processes=True, clean_shm=True)
+        args = dict(FAST, containers=[101], host_processes=True, advanced=CLEAN_SHM)
         leak = [("/dev/shm/nccl-leak", 8192, "nccl", True)]
         check = clean.direct("pve1", "gpu_release", args, check_mode=True)
         assert not check.failed and [(e["path"], e["bytes"], e["owner"], e["vmid"] in (None, 101))

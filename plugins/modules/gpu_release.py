@@ -97,6 +97,10 @@ options:
         signalled. A process belongs to container VMID when the first C(lxc/VMID/ns) in its cgroup path names it;
         membership is read again at signal time, beside the pid-reuse guard.
       - On a node, a release with neither O(containers) nor O(host_processes) fails before any signal.
+      - On a node, each vmid must have its config on this node (C(/etc/pve/lxc/VMID.conf); pve-container links
+        C(/etc/pve/lxc) to the local node's C(/etc/pve/nodes/NODE/lxc)). A vmid without one (a typo, a container of
+        another node) fails the task before anything, in check mode too, naming it, the node that has its config if
+        any, and this node's containers; so does a C(/etc/pve/lxc) that cannot be read.
       - Inside a container, setting it fails the task (a container sees only its own processes).
       - The release also takes each listed container's own per-GPU locks (through C(/proc/INIT/root/run/lock)), so
         it never races a release running inside that container. A container whose lock cannot be taken (a link or a
@@ -818,6 +822,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
     GPU_COMMON_ARGS, GPU_READ_ARGS, check_common_params, check_libraries, check_numbers, check_shm_prefixes, engine_from_params,
     no_gpu_message,
 )
+from ansible_collections.gpuops.fleet.plugins.module_utils import _decide as decide
 from ansible_collections.gpuops.fleet.plugins.module_utils import _hardstop as hardstop
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
@@ -871,6 +876,12 @@ def check_scope(module, params):
         module.fail_json(msg="gpu_release runs on a Proxmox node here, where it sees the processes of every container: "
                              "it signals nothing without a scope; set containers: [VMID, ...] to signal those "
                              "containers' processes, and host_processes: true to also signal processes in no container")
+    if view == "node" and params["containers"]:
+        # a vmid with no config on this node (a typo, another node's container) fails before anything, in check mode
+        # too: never "already free" for a container that is not here
+        refusal = decide.unconfigured_containers(params["containers"], node.configured_containers())
+        if refusal:
+            module.fail_json(msg=refusal, changed=False)
     if params["containers"] or params["host_processes"]:
         return node.Scope(params["containers"], params["host_processes"])
     return None

@@ -88,6 +88,51 @@ def test_node_release_without_a_scope_fails_before_any_signal(clean):
     assert host_alive(a["holders"][0]) and clean.used(0) == 512
 
 
+TYPO = ("containers: 9999 has no config on this node pve1 (no /etc/pve/lxc/9999.conf); this node's containers: 101, "
+        "102, 103; nothing was signalled")
+
+
+def test_a_vmid_with_no_config_on_the_node_fails_before_anything_naming_it_and_the_nodes_containers(clean):
+    """Issue 45: a typo'd vmid in containers fails before any action, in check mode too, naming it and the node's
+    containers (the configs in the node's /etc/pve/lxc). Before, [9999] said "every targeted GPU is already free",
+    and [101, 9999] released 101. The first run takes the product path (ansible-playbook, ssh to the node)."""
+    a = clean.run("plain", 101, [0])
+    typo = clean.play("pve1", "gpu_release", dict(FAST, containers=[9999]))
+    assert typo.failed and typo["msg"] == TYPO and typo["changed"] is False, typo
+    for check_mode in (True, False):
+        play = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101, 9999]), check_mode=check_mode)
+        assert play.failed and play["msg"] == TYPO and not play.get("actions") and not play.get("plan"), play
+    assert host_alive(a["holders"][0]) and clean.used(0) == 512
+
+
+def test_the_role_fails_a_container_whose_vmid_has_no_config_on_its_node_and_signals_nothing(clean, tmp_path):
+    """Issue 45, the role's node path: ct199 (pct vmid 199, on pve1 by the inventory; pve1 has no 199.conf) and
+    ct101 are released by one gpu_release on pve1, which fails before any signal naming 199; both hosts fail, and
+    101's holder keeps its memory."""
+    a = clean.run("plain", 101, [0], mib=500)
+    with open(clean.inventory) as f:
+        inventory = yaml.safe_load(f)
+    hosts = inventory["all"]["children"]["gpu_containers"]["hosts"]
+    hosts["ct199"] = dict((k, 199 if k in ("pct_vmid", "ansible_pct_vmid", "proxmox_vmid") else v)
+                          for k, v in hosts["ct101"].items())
+    path = tmp_path / "typo.yml"
+    path.write_text(yaml.safe_dump(inventory))
+    variables = {"release_gpus_advanced": {"install_deps": False, "verify_timeout": 5},
+                 "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5}
+    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", str(path),
+                           os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "ct101,ct199",
+                           "-e", json.dumps(variables)], cwd=REPO, env=clean.env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True, timeout=600, check=False)
+    assert proc.returncode == 2, proc.stdout
+    assert "Node path | Release every selected container of the node" in proc.stdout, proc.stdout
+    named = "containers: 199 has no config on this node pve1 (no /etc/pve/lxc/199.conf); this node's containers: 101, 102, 103"
+    assert named in " ".join(proc.stdout.split()), proc.stdout
+    assert "already free" not in proc.stdout
+    recap = dict(re.findall(r"^(ct\d+)\s+:.*failed=(\d+)", proc.stdout, re.M))
+    assert recap == {"ct101": "1", "ct199": "1"}, proc.stdout
+    assert host_alive(a["holders"][0]) and clean.used(0) == 500
+
+
 def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):
     a = clean.run("plain", 101, [0], mib=1000)
     b = clean.run("plain", 102, [0], mib=700)

@@ -104,7 +104,7 @@ options:
       - Inside a container, setting it fails the task (a container sees only its own processes).
       - The release also takes each listed container's own per-GPU locks (through C(/proc/INIT/root/run/lock)), so
         it never races a release running inside that container. A container whose lock cannot be taken (a link or a
-        wrong owner planted there, never followed; a lock held past O(lock_timeout); a folder that does not answer
+        wrong owner planted there, never followed; a lock held past O(advanced.lock_timeout); a folder that does not answer
         within 5 s, a hung mount) is left out with verdict C(skipped) and the reason in RV(per_container); the others
         are released, and the task then fails naming it. Those locks are taken and held by a helper process that
         lives as long as the release (the module never holds them), so a hung mount there never hangs the module.

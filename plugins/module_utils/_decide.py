@@ -27,6 +27,31 @@ def stuck_in_driver(record):
     return None
 
 
+def unconfigured_containers(requested, configs):
+    """The refusal of a node-side scope with a vmid that has no config on this node (a typo, a container of
+    another node), or None. configs: _node.configured_containers()'s evidence. A vmid is this node's when its
+    VMID.conf is in /etc/pve/lxc; one in another node's folder is named with that node."""
+    node = " %s" % configs["node"] if configs.get("node") else ""
+    wanted = sorted(set(int(v) for v in requested))
+    here = configs.get("here")
+    if here is None:
+        return ("containers: cannot tell whether %s %s a config on this node%s: %s; nothing was signalled"
+                % (", ".join(str(v) for v in wanted), "has" if len(wanted) == 1 else "have", node,
+                   configs.get("error") or "/etc/pve/lxc cannot be read"))
+    missing = [v for v in wanted if v not in here]
+    if not missing:
+        return None
+    elsewhere = configs.get("elsewhere") or {}
+    words = []
+    for vmid in missing:
+        other = elsewhere.get(vmid)
+        words.append("%d (its config is on node %s: release it there)" % (vmid, other) if other else str(vmid))
+    conf = "/etc/pve/lxc/%s.conf" % (missing[0] if len(missing) == 1 else "VMID")
+    return ("containers: %s %s no config on this node%s (no %s); this node's containers: %s; nothing was signalled"
+            % (", ".join(words), "has" if len(missing) == 1 else "have", node, conf,
+               ", ".join(str(v) for v in here) or "none"))
+
+
 def reset_blockers(report, gpu, spared=()):
     """What blocks a reset of gpu (a snapshot's GPU entry): anything with a context that could be on it (may_hold),
     a process whose read blocked while it had it open, and any client with it open (a real reset fails while any

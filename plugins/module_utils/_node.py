@@ -18,6 +18,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as p
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pveconf as pveconf
 
 PVE_LXC_DIR = "/etc/pve/lxc"
+PVE_NODES_DIR = "/etc/pve/nodes"
 PVE_HA_RESOURCES = "/etc/pve/ha/resources.cfg"
 PROXMOX_MARKERS = ("/etc/pve", "/usr/sbin/pct")
 HOST = "host"
@@ -271,6 +272,50 @@ def read_pve_confs(conf_dir=PVE_LXC_DIR):
                 out[match.group(1)] = resolve_devices(parse_pve_conf(f.read()))
         except OSError:
             continue
+    return out
+
+
+def _conf_vmids(folder):
+    """Sorted vmids (ints) of the VMID.conf files in folder; raises OSError when it cannot be listed."""
+    return sorted(int(m.group(1)) for m in (re.match(r"^(\d+)\.conf$", n) for n in os.listdir(folder)) if m)
+
+
+def configured_containers(conf_dir=None, nodes_dir=None):
+    """The evidence of which containers this node runs, from pmxcfs: {"node": this node's name (where
+    /etc/pve/lxc links to; None when unknown), "here": sorted vmids (ints) with a config in /etc/pve/lxc, None when
+    it cannot be listed, "error": why not (or None), "elsewhere": {vmid: node} of the configs in the other nodes'
+    folders (/etc/pve/nodes/NODE/lxc)}.
+
+    pve-container keeps a container's config in /etc/pve/nodes/NODE/lxc/VMID.conf, on the node that runs it;
+    /etc/pve/lxc is a link to the local node's folder, so a config there is a container of this node, and only
+    this node can run it. Reading only: the decision is _decide.unconfigured_containers'."""
+    conf_dir, nodes_dir = conf_dir or PVE_LXC_DIR, nodes_dir or PVE_NODES_DIR
+    out = {"node": None, "here": None, "error": None, "elsewhere": {}}
+    try:
+        target = os.readlink(conf_dir)
+    except OSError:
+        target = ""
+    match = re.search(r"(?:^|/)nodes/([^/]+)/lxc/?$", target)
+    out["node"] = match.group(1) if match else None
+    try:
+        out["here"] = _conf_vmids(conf_dir)
+    except OSError as exc:
+        out["error"] = "%s: %s" % (conf_dir, exc.strerror or exc)
+        return out
+    try:
+        nodes = sorted(os.listdir(nodes_dir))
+    except OSError:
+        nodes = []
+    for name in nodes:
+        if name == out["node"]:
+            continue
+        try:
+            vmids = _conf_vmids(os.path.join(nodes_dir, name, "lxc"))
+        except OSError:
+            continue
+        for vmid in vmids:
+            if vmid not in out["here"]:
+                out["elsewhere"].setdefault(vmid, name)
     return out
 
 

@@ -87,7 +87,7 @@ class ApiBackend(object):
         try:
             from proxmoxer import ProxmoxAPI
         except ImportError as exc:
-            raise RestartError("proxmox_api needs the Python library proxmoxer (and requests) on the node: %s" % exc)
+            raise RestartError("api_host needs the Python library proxmoxer (and requests) on the node: %s" % exc)
         kwargs = {"port": api.get("port") or 8006, "verify_ssl": api.get("ca_path") or api.get("validate_certs", True),
                   "timeout": api.get("timeout") or 10}
         if api.get("token_id"):
@@ -155,16 +155,10 @@ class ApiBackend(object):
 
 
 def api_credentials(params):
-    """The container rung's API credentials from the module's options (community.proxmox's names, or the deprecated
-    proxmox_api dict), or None for pct on the node. Raises RestartError naming what is missing."""
-    old = params.get("proxmox_api")
+    """The container rung's API credentials from the module's options (community.proxmox's names), or None for pct
+    on the node. Raises RestartError naming what is missing."""
     host = params.get("api_host")
     timeout = params.get("api_timeout") or 10
-    if host and old:
-        raise RestartError("give the Proxmox API either as api_host, api_user, ... or as proxmox_api (deprecated), "
-                           "not both")
-    if old:
-        return dict(old, timeout=timeout)
     if not host:
         return None
     if not params.get("api_user"):

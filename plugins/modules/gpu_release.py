@@ -98,10 +98,14 @@ options:
         signalled. A process belongs to container VMID when the first C(lxc/VMID/ns) in its cgroup path names it;
         membership is read again at signal time, beside the pid-reuse guard.
       - On a node, a release with neither O(containers) nor O(host_processes) fails before any signal.
+      - On a node, each vmid must have its config on this node (C(/etc/pve/lxc/VMID.conf); pve-container links
+        C(/etc/pve/lxc) to the local node's C(/etc/pve/nodes/NODE/lxc)). A vmid without one (a typo, a container of
+        another node) fails the task before anything, in check mode too, naming it, the node that has its config if
+        any, and this node's containers; so does a C(/etc/pve/lxc) that cannot be read.
       - Inside a container, setting it fails the task (a container sees only its own processes).
       - The release also takes each listed container's own per-GPU locks (through C(/proc/INIT/root/run/lock)), so
         it never races a release running inside that container. A container whose lock cannot be taken (a link or a
-        wrong owner planted there, never followed; a lock held past O(lock_timeout); a folder that does not answer
+        wrong owner planted there, never followed; a lock held past O(advanced.lock_timeout); a folder that does not answer
         within 5 s, a hung mount) is left out with verdict C(skipped) and the reason in RV(per_container); the others
         are released, and the task then fails naming it. Those locks are taken and held by a helper process that
         lives as long as the release (the module never holds them), so a hung mount there never hangs the module.
@@ -185,8 +189,8 @@ options:
   advanced:
     description:
       - How the release reads, waits, serialises and cleans up; the defaults suit most fleets.
-      - Each key is also accepted as a top-level option until 1.0.0 (deprecated); a key given there wins over this
-        dict.
+      - Its keys are accepted in this dict only; a top-level spelling (C(verify_timeout) beside O(gpus)) fails as an
+        unsupported parameter.
     type: dict
     default: {}
     suboptions:
@@ -360,96 +364,6 @@ options:
           - 0 or more.
         type: float
         default: 30
-  clean_shm:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.clean_shm).
-    type: bool
-  cmdline:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.cmdline).
-    type: bool
-  collateral_tolerance_mib:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.collateral_tolerance_mib).
-    type: int
-  container_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.container_timeout).
-    type: float
-  lock_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.lock_timeout).
-    type: float
-  nvml_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.nvml_timeout).
-    type: float
-  redact:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.redact).
-    type: list
-    elements: str
-  reserved_floor_mib:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.reserved_floor_mib).
-    type: int
-  reset_blockers:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.reset_blockers).
-    type: str
-    choices: [refuse, stop_services]
-  reset_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.reset_timeout).
-    type: float
-  shm_prefixes:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.shm_prefixes).
-    type: list
-    elements: str
-  stop_concurrency:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.stop_concurrency).
-    type: int
-  stop_found_units:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.stop_found_units).
-    type: bool
-  stop_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.stop_timeout).
-    type: float
-  threshold_mib:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.threshold_mib).
-    type: int
-  timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.timeout).
-    type: float
-  verify_timeout:
-    description: Deprecated, removed in 1.0.0. Use O(advanced.verify_timeout).
-    type: float
-  proxmox_api:
-    description:
-      - Deprecated, removed in 1.0.0. Give O(api_host), O(api_user), O(api_token_id), O(api_token_secret) (or
-        O(api_password)), O(validate_certs) and O(ca_path) instead, with their C(PROXMOX_*) environment variables.
-      - Credentials for the container rung's Proxmox API calls, as C(host), C(port), C(user), C(token_id),
-        C(token_secret), C(password), C(validate_certs) and C(ca_path).
-    type: dict
-    suboptions:
-      host:
-        description: API host name or address.
-        type: str
-        required: true
-      port:
-        description: API port.
-        type: int
-        default: 8006
-      user:
-        description: User, C(USER@REALM).
-        type: str
-        required: true
-      token_id:
-        description: API token id (the part after C(!)).
-        type: str
-      token_secret:
-        description: API token secret.
-        type: str
-      password:
-        description: Password, when no token is given.
-        type: str
-      validate_certs:
-        description: Verify the API's TLS certificate.
-        type: bool
-        default: true
-      ca_path:
-        description: CA bundle to verify the API's certificate with (C(/etc/pve/pve-root-ca.pem) on a node).
-        type: path
 seealso:
   - module: gpuops.fleet.gpu_info
 """
@@ -909,6 +823,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
     GPU_COMMON_ARGS, GPU_READ_ARGS, check_common_params, check_libraries, check_numbers, check_shm_prefixes, engine_from_params,
     no_gpu_message,
 )
+from ansible_collections.gpuops.fleet.plugins.module_utils import _decide as decide
 from ansible_collections.gpuops.fleet.plugins.module_utils import _hardstop as hardstop
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
@@ -962,13 +877,18 @@ def check_scope(module, params):
         module.fail_json(msg="gpu_release runs on a Proxmox node here, where it sees the processes of every container: "
                              "it signals nothing without a scope; set containers: [VMID, ...] to signal those "
                              "containers' processes, and host_processes: true to also signal processes in no container")
+    if view == "node" and params["containers"]:
+        # a vmid with no config on this node (a typo, another node's container) fails before anything, in check mode
+        # too: never "already free" for a container that is not here
+        refusal = decide.unconfigured_containers(params["containers"], node.configured_containers())
+        if refusal:
+            module.fail_json(msg=refusal, changed=False)
     if params["containers"] or params["host_processes"]:
         return node.Scope(params["containers"], params["host_processes"])
     return None
 
 
-# gpu_release's advanced options: how it reads, waits and cleans up. Each is also accepted at the top level until
-# 1.0.0 (deprecated), where it wins over the advanced dict.
+# gpu_release's advanced options: how it reads, waits and cleans up, given in the advanced dict only.
 ADVANCED_ARGS = dict(GPU_READ_ARGS)
 ADVANCED_ARGS.update(
     verify_timeout=dict(type="float", default=30.0),
@@ -986,29 +906,21 @@ ADVANCED_ARGS.update(
 )
 
 
-def deprecated_top_level(spec):
-    """The deprecated top-level spelling of an advanced option: no default, so that given means set."""
-    return dict(dict((k, v) for k, v in spec.items() if k != "default"), removed_in_version="1.0.0",
-                removed_from_collection="gpuops.fleet")
-
-
 def flatten_advanced(module):
-    """The options as one flat dict, each advanced one from its deprecated top-level spelling when given, else from
-    the advanced dict; and how each was spelled, for error messages ({name: 'advanced.NAME' or 'NAME'})."""
+    """The options as one flat dict, each advanced one from the advanced dict (its default when not given); and how
+    each is spelled, for error messages ({name: 'advanced.NAME'})."""
     params = dict(module.params)
     advanced = params["advanced"] or {}
     labels = {}
     for name, spec in ADVANCED_ARGS.items():
-        if params.get(name) is not None:
-            labels[name] = name
-            continue
         labels[name] = "advanced." + name
         params[name] = advanced.get(name, spec.get("default"))
     return params, labels
 
 
-def main():
-    argument_spec = dict(
+def argument_spec():
+    """The module's argument spec: the short public set, the advanced dict and the Proxmox API credentials."""
+    return dict(
         gpus=GPU_COMMON_ARGS["gpus"],
         match=dict(type="str"),
         protect=dict(type="list", elements="str", default=[]),
@@ -1021,16 +933,6 @@ def main():
         container_restart=dict(type="bool", default=False),
         collateral=dict(type="str", default="refuse", choices=["refuse", "stop"]),
         advanced=dict(type="dict", default={}, apply_defaults=True, options=ADVANCED_ARGS),
-        proxmox_api=dict(type="dict", removed_in_version="1.0.0", removed_from_collection="gpuops.fleet", options=dict(
-            host=dict(type="str", required=True),
-            port=dict(type="int", default=8006),
-            user=dict(type="str", required=True),
-            token_id=dict(type="str"),
-            token_secret=dict(type="str", no_log=True),
-            password=dict(type="str", no_log=True),
-            validate_certs=dict(type="bool", default=True),
-            ca_path=dict(type="path"),
-        )),
         api_host=dict(type="str", fallback=(env_fallback, ["PROXMOX_HOST"])),
         api_port=dict(type="int", fallback=(env_fallback, ["PROXMOX_PORT"])),
         api_user=dict(type="str", fallback=(env_fallback, ["PROXMOX_USER"])),
@@ -1041,8 +943,10 @@ def main():
         ca_path=dict(type="path", fallback=(env_fallback, ["PROXMOX_CA_PATH"])),
         api_timeout=dict(type="int", fallback=(env_fallback, ["PROXMOX_API_TIMEOUT"])),
     )
-    argument_spec.update((name, deprecated_top_level(spec)) for name, spec in ADVANCED_ARGS.items())
-    module = AnsibleModule(argument_spec=argument_spec, supports_check_mode=True)
+
+
+def main():
+    module = AnsibleModule(argument_spec=argument_spec(), supports_check_mode=True)
     started = time.monotonic()
     params, labels = flatten_advanced(module)
 

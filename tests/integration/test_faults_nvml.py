@@ -127,7 +127,7 @@ def test_hang_in_memory_call_ends_the_task_and_leaves_nothing_behind(lab, fault)
 @pytest.mark.timing
 def test_hang_in_init_ends_the_task(lab, fault):
     fault("--init", "hang")
-    play = bounded_play(lab, "ct101", "gpu_release", {"nvml_timeout": 1})
+    play = bounded_play(lab, "ct101", "gpu_release", {"advanced": {"nvml_timeout": 1}})
     assert play.failed and "Traceback" not in play.output, play
     assert "nvmlInit did not return within 1s (NVML hang)" in play["msg"] and play["changed"] is False
     assert_task_gone_and_hang_real(lab, play)
@@ -137,7 +137,7 @@ def test_hang_in_init_ends_the_task(lab, fault):
 def test_hang_in_process_list_ends_a_release_without_signals(lab, fault):
     run = lab.run("plain", 101, [1], mib=1024)
     fault("--gpu", 1, "--fault", "hang_procs")
-    play = bounded_play(lab, "ct101", "gpu_release", {"gpus": [1], "nvml_timeout": 1})
+    play = bounded_play(lab, "ct101", "gpu_release", {"gpus": [1], "advanced": {"nvml_timeout": 1}})
     assert play.failed and "Traceback" not in play.output, play
     assert "nvmlDeviceGetComputeRunningProcesses did not return within 1s (NVML hang)" in play["msg"]
     assert play["changed"] is False and play["actions"] == [] and host_alive(run["holders"][0])
@@ -152,7 +152,8 @@ def test_no_v2_call_is_unverifiable_and_never_free_or_reset(lab, fault):
     assert status.failed and gpu(status, 1)["free"] is False and status["all_free"] is False, status
     assert "memory unverifiable on this driver" in status["msg"] and "reserved_floor_mib" in status["msg"]
     lab.labctl("leak", "--node", "pve1", "--gpu", 1, "--mib", 2048)
-    release = bounded_play(lab, "pve1", "gpu_release", {"gpus": [1], "containers": [101], "gpu_reset": True, "verify_timeout": 1})
+    release = bounded_play(lab, "pve1", "gpu_release", {"gpus": [1], "containers": [101], "gpu_reset": True,
+                                                        "advanced": {"verify_timeout": 1}})
     assert release.failed and "memory unverifiable on this driver" in release["msg"], release
     assert release["changed"] is False and release["actions"] == [] and release["rung_reached"] == "none"
     assert lab.used(1) == 2048  # never reset on v1 used
@@ -167,7 +168,7 @@ def test_no_v2_call_with_reserved_floor_is_an_estimate(lab, fault):
     assert memory["used_mib"] == 1024 and memory["v1_used_mib"] == 1024 + 615 and memory["estimated"] is True
     assert gpu(play, 1)["holders"] == run["container_holders"]
     assert any("GPU 1: memory estimated, not measured" in line for line in play["diagnosis"])
-    release = bounded_play(lab, "ct101", "gpu_release", {"gpus": [1], "reserved_floor_mib": 615})
+    release = bounded_play(lab, "ct101", "gpu_release", {"gpus": [1], "advanced": {"reserved_floor_mib": 615}})
     assert not release.failed and release["changed"] is True, release
     assert release["msg"].startswith("free by estimate") and "verified free" not in release["msg"], release
     assert lab.used(1) == 0 and not host_alive(run["holders"][0])

@@ -122,7 +122,7 @@ def test_stuck_holder_is_diagnosed_and_reset_refused(clean):
     run = lab.run("stuck", 102, [0])                     # minor 4
     # a reset is the node's (issue 11): from the node, scoped to container 102
     play = lab.play("pve1", "gpu_release", {"gpus": [lab.truth()[4]["uuid"]], "containers": [102], "term_timeout": 0.5,
-                                            "kill_timeout": 0.5, "verify_timeout": 1.5, "gpu_reset": True})
+                                            "kill_timeout": 0.5, "advanced": {"verify_timeout": 1.5}, "gpu_reset": True})
     assert play.failed and lab.used(4) == 512 and host_alive(run["holders"][0])
     assert play["rung_reached"] == "reset"
     pid = run["node_holders"][0]
@@ -196,7 +196,7 @@ def test_long_running_sibling_of_the_same_name_is_no_respawn(clean):
 def test_two_releases_of_one_gpu_do_not_both_signal(clean):
     lab = clean
     run = lab.run("term_ignoring", 101, [0])
-    args = {"gpus": [0], "term_timeout": 1.5, "kill_timeout": 2, "verify_timeout": 3}
+    args = {"gpus": [0], "term_timeout": 1.5, "kill_timeout": 2, "advanced": {"verify_timeout": 3}}
     first = lab.play("ct101", "gpu_release", args, background=True)
     second = lab.play("ct101", "gpu_release", args, background=True)
     plays = [first(), second()]
@@ -227,8 +227,9 @@ BAD_INPUT = [
     ({"kill_timeout": "inf"}, ["kill_timeout must be a finite number, got inf"]),
     ({"advanced": {"verify_timeout": "nan"}}, ["advanced.verify_timeout must be a finite number, got nan"]),
     ({"advanced": {"nvml_timeout": "nan"}}, ["advanced.nvml_timeout must be a finite number, got nan"]),
-    # the deprecated top-level spelling (until 1.0.0) is named as given
-    ({"timeout": "inf"}, ["timeout must be a finite number, got inf"]),
+    ({"advanced": {"timeout": "inf"}}, ["advanced.timeout must be a finite number, got inf"]),
+    # issue 45: the deprecated top-level spelling is gone: ansible's own error, before the module's code runs
+    ({"timeout": 2}, ["Unsupported parameters for (gpuops.fleet.gpu_release) module: timeout"]),
     ({"advanced": {"verify_timeout": 1, "no_such": 1}}, ["advanced", "no_such"]),
     ({"match": "[unclosed"}, ["match: regular expression '[unclosed' does not compile"]),
 ]
@@ -274,7 +275,7 @@ def test_lost_gpu_fails_without_signals(clean):
 def test_overall_timeout_is_enforced_by_the_module(clean):
     lab = clean
     run = lab.run("term_ignoring", 101, [0])
-    play = lab.play("ct101", "gpu_release", {"gpus": [0], "term_timeout": 60, "timeout": 2})
+    play = lab.play("ct101", "gpu_release", {"gpus": [0], "term_timeout": 60, "advanced": {"timeout": 2}})
     assert play.failed and "overall timeout was reached during SIGTERM" in play["msg"]
     assert play["elapsed_s"] < 30 and play.seconds < 60  # term_timeout (60 s) never ran out
     assert [a["signal"] for a in play["actions"]] == ["SIGTERM"]
@@ -496,6 +497,7 @@ def test_reset_blockers_are_named_and_stop_services_clears_the_daemon_and_persis
     lab.labctl("fault", "--node", "pve1", "--gpu", "3", "--persistence", "on")
     try:
         args = dict(FAST, gpus=[uuid], containers=[101], gpu_reset=True)
+        stop_services = dict(args, advanced=dict(FAST["advanced"], reset_blockers="stop_services"))
         refused = lab.direct("pve1", "gpu_release", args)
         assert refused.failed and refused["actions"] == [] and lab.used(3) == 1000, refused
         assert refused["msg"].startswith("gpu_reset: a reset would be blocked (reset_blockers: refuse), nothing was signalled")
@@ -507,14 +509,14 @@ def test_reset_blockers_are_named_and_stop_services_clears_the_daemon_and_persis
         monitor_pid = monitor["roles"]["monitor"]
         node_pid = dict(zip(monitor["host_pids"], monitor["node_pids"]))[monitor_pid]   # the module reads the node
         assert "pid %d (" % node_pid in refused["msg"] and "nvidia-persistenced" in refused["msg"], refused["msg"]
-        services = lab.direct("pve1", "gpu_release", dict(args, reset_blockers="stop_services"))
+        services = lab.direct("pve1", "gpu_release", stop_services)
         assert services.failed and services["actions"] == [] and services["reset_steps"] == [], services
         assert "not a service and never signalled" in services["msg"] and "nvidia-persistenced" not in services["msg"]
         stop = [b for b in services["reset_blockers"] if b["kind"] == "daemon"][0]
         assert stop["action"].startswith("stop supervisord nvidia-persistenced:nvidia-persistenced")
         os.kill(monitor_pid, signal.SIGKILL)
         assert wait_until(lambda: not host_alive(monitor_pid))
-        done = lab.direct("pve1", "gpu_release", dict(args, reset_blockers="stop_services"))
+        done = lab.direct("pve1", "gpu_release", stop_services)
         assert not done.failed, done
         assert lab.used(3) == 0 and done["rung_reached"] == "reset"
         assert [(s["step"], s["ok"]) for s in done["reset_steps"]] == [

@@ -26,6 +26,7 @@ lab = module_lab(lambda: EngineLab("node11", ["--nodes", "1", "--containers", "3
                                               "--layout", "103=2", "--shared-run-lock", "103"]))
 clean = clean_engine_lab()
 FAST = {"term_timeout": 1, "kill_timeout": 2, "advanced": {"verify_timeout": 3}}
+CLEAN_SHM = dict(FAST["advanced"], clean_shm=True)
 INSTALLED = r"Install the wheels with the target's Python, without an index\] \*+\nchanged: \[ct101 -> pve1\b"
 
 
@@ -85,6 +86,53 @@ def test_node_release_without_a_scope_fails_before_any_signal(clean):
     play = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["0"]))
     assert play.failed and "signals nothing without a scope" in play["msg"] and "containers: [VMID" in play["msg"]
     assert host_alive(a["holders"][0]) and clean.used(0) == 512
+
+
+TYPO = ("containers: 9999 has no config on this node pve1 (no /etc/pve/lxc/9999.conf); this node's containers: 101, "
+        "102, 103; nothing was signalled")
+
+
+def test_a_vmid_with_no_config_on_the_node_fails_before_anything_naming_it_and_the_nodes_containers(clean):
+    """Issue 45: a typo'd vmid in containers fails before any action, in check mode too, naming it and the node's
+    containers (the configs in the node's /etc/pve/lxc). Before, [9999] said "every targeted GPU is already free",
+    and [101, 9999] released 101. The first run takes the product path (ansible-playbook, ssh to the node)."""
+    a = clean.run("plain", 101, [0])
+    for check_mode in (True, False):
+        play = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101, 9999]), check_mode=check_mode)
+        assert not play.get("actions") and not play.get("plan") and host_alive(a["holders"][0]), play
+        assert play.failed and play["msg"] == TYPO, play
+    typo = clean.play("pve1", "gpu_release", dict(FAST, containers=[9999]))
+    assert typo.failed and typo["msg"] == TYPO and typo["changed"] is False, typo
+    assert host_alive(a["holders"][0]) and clean.used(0) == 512
+
+
+def test_the_role_fails_a_container_whose_vmid_has_no_config_on_its_node_and_signals_nothing(clean, tmp_path):
+    """Issue 45, the role's node path: ct199 (pct vmid 199, on pve1 by the inventory; pve1 has no 199.conf) and
+    ct101 are released by one gpu_release on pve1, which fails before any signal naming 199; both hosts fail, and
+    101's holder keeps its memory."""
+    a = clean.run("plain", 101, [0], mib=500)
+    with open(clean.inventory) as f:
+        inventory = yaml.safe_load(f)
+    hosts = inventory["all"]["children"]["gpu_containers"]["hosts"]
+    hosts["ct199"] = dict((k, 199 if k in ("pct_vmid", "ansible_pct_vmid", "proxmox_vmid") else v)
+                          for k, v in hosts["ct101"].items())
+    path = tmp_path / "typo.yml"
+    path.write_text(yaml.safe_dump(inventory))
+    variables = {"release_gpus_advanced": {"install_deps": False, "verify_timeout": 5},
+                 "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5}
+    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", str(path),
+                           os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "ct101,ct199",
+                           "-e", json.dumps(variables)], cwd=REPO, env=clean.env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True, timeout=600, check=False)
+    assert proc.returncode == 2, proc.stdout
+    assert "Node path | Release every selected container of the node" in proc.stdout, proc.stdout
+    # before issue 45: ct101 was released (changed=1, failed=0) and only ct199 failed, "its state is unknown"
+    recap = dict((h, (c, f)) for h, c, f in re.findall(r"^(ct\d+)\s+:.*changed=(\d+).*failed=(\d+)", proc.stdout, re.M))
+    assert recap == {"ct101": ("0", "1"), "ct199": ("0", "1")}, proc.stdout
+    assert host_alive(a["holders"][0]) and clean.used(0) == 500
+    named = "containers: 199 has no config on this node pve1 (no /etc/pve/lxc/199.conf); this node's containers: 101, 102, 103"
+    assert named in " ".join(proc.stdout.split()), proc.stdout
+    assert "already free" not in proc.stdout
 
 
 def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):
@@ -316,7 +364,8 @@ def test_one_node_task_stops_each_containers_program_and_reports_each_container(
     program = clean.run("respawn", 101, [0], mib=600)
     plain = clean.run("plain", 102, [0], mib=400)
     program_pid = node_pid(program)
-    args = dict(FAST, containers=[101, 102, 103], shared_gpu="own", stop_found_units=True)
+    args = dict(FAST, containers=[101, 102, 103], shared_gpu="own",
+                advanced=dict(FAST["advanced"], stop_found_units=True))
     check = clean.play("pve1", "gpu_release", args, check_mode=True)
     assert not check.failed and check["changed"] is True, check
     found = check["found_units"]
@@ -589,22 +638,22 @@ def test_clean_shm_removes_only_residue_from_the_node_and_inside_and_check_mode_
         assert wait_until(lambda: "/dev/shm/sgl_live" in clean.exec(
             102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
         leak = {"path": "/dev/shm/nccl-leak", "bytes": 8192, "owner": "nccl", "vmid": 102}
-        check = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], clean_shm=True), check_mode=True)
+        check = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], advanced=CLEAN_SHM), check_mode=True)
         assert not check.failed and check["shm_residue"] == [leak] and check["shm_removed"] == [], check
         assert "1 shared-memory residue files would be removed" in check["msg"] and check["changed"]
         assert _shm_names(clean, 102) == ["PostgreSQL.1", "nccl-leak", "sgl_live"]
-        done = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], clean_shm=True))
+        done = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], advanced=CLEAN_SHM))
         assert not done.failed and done["changed"] and done["shm_removed"] == [leak] and done["shm_left"] == [], done
         assert "1 shared-memory residue files removed" in done["msg"]
         assert _shm_names(clean, 102) == ["PostgreSQL.1", "sgl_live"]
-        again = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], clean_shm=True))
+        again = clean.play("pve1", "gpu_release", dict(FAST, containers=[102], advanced=CLEAN_SHM))
         assert not again.failed and not again["changed"] and again["shm_removed"] == [], again
     finally:
         clean.exec(102, "pkill", "-f", "gpuops_shm_user")
     try:
         assert wait_until(lambda: "/dev/shm/sgl_live" not in clean.exec(
             102, "sh", "-c", "cat /proc/[0-9]*/maps 2>/dev/null").stdout, timeout=20)
-        inside = clean.play("ct102", "gpu_release", dict(FAST, clean_shm=True))
+        inside = clean.play("ct102", "gpu_release", dict(FAST, advanced=CLEAN_SHM))
         assert not inside.failed and [(e["path"], e["vmid"]) for e in inside["shm_removed"]] == [
             ("/dev/shm/sgl_live", None)], inside
         assert _shm_names(clean, 102) == ["PostgreSQL.1"]
@@ -766,7 +815,7 @@ def test_bind_shared_dev_shm_out_of_scope_is_skipped_by_a_node_side_clean_shm(cl
     try:
         world = _start_shared_shm_world(clean)
         assert _shared_shm_facts(clean, before, world) == SHARED_SHM_WORLD, world
-        args = dict(FAST, containers=[101], clean_shm=True)
+        args = dict(FAST, containers=[101], advanced=CLEAN_SHM)
         for check_mode in (True, False):
             play = clean.direct("pve1", "gpu_release", args, check_mode=check_mode)
             assert not play.failed and play["shm_residue"] == play["shm_removed"] == play["shm_left"] == [], play
@@ -791,7 +840,7 @@ def test_bind_shared_dev_shm_in_scope_keeps_the_node_process_live_segment(clean)
     try:
         world = _start_shared_shm_world(clean)
         assert _shared_shm_facts(clean, before, world) == SHARED_SHM_WORLD, world
-        args = dict(FAST, containers=[101], host_processes=True, clean_shm=True)
+        args = dict(FAST, containers=[101], host_processes=True, advanced=CLEAN_SHM)
         leak = [("/dev/shm/nccl-leak", 8192, "nccl", True)]
         check = clean.direct("pve1", "gpu_release", args, check_mode=True)
         assert not check.failed and [(e["path"], e["bytes"], e["owner"], e["vmid"] in (None, 101))

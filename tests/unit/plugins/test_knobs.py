@@ -1,12 +1,16 @@
-"""Issue 22's fewer knobs: gpu_release's short public set with one `advanced` dict (the old top-level spellings still
-work until 1.0.0, deprecated), the role's main argument spec of 15 variables with `release_gpus_advanced` (each key's
-default in vars/main.yml), and shared_gpu: own saying how much others hold."""
+"""Issue 22's fewer knobs: gpu_release's short public set with one `advanced` dict (issue 45: the deprecated top-level
+spellings and the proxmox_api dict are gone, refused as unsupported parameters), the role's main argument spec of 15
+variables with `release_gpus_advanced` (each key's default in vars/main.yml), and shared_gpu: own saying how much
+others hold."""
 import os
 import re
 import subprocess
 import sys
 
+import pytest
 import yaml
+from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
+from ansible.module_utils.errors import UnsupportedError
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import held_by_others_mib, share_words
@@ -23,14 +27,16 @@ def documented_options():
     return doc["options"]
 
 
-def test_gpu_release_documents_the_short_set_advanced_and_deprecated_spellings():
+def test_gpu_release_documents_the_short_set_and_advanced_only():
     options = documented_options()
     advanced = set(options["advanced"]["suboptions"])
     assert advanced == set(gpu_release.ADVANCED_ARGS)
-    deprecated = set(k for k, v in options.items() if str(v["description"]).startswith("Deprecated, removed in 1.0.0"))
-    assert deprecated == advanced
-    # with gpus and the credentials from the doc fragments, what is not deprecated is the short public set
-    assert set(options) - deprecated - {"proxmox_api"} == PUBLIC - {"gpus"}
+    # issue 45: no deprecated copy is left; with gpus and the credentials from the doc fragments, the top level is the
+    # short public set
+    assert not [k for k, v in options.items() if "deprecated" in str(v["description"]).lower()], sorted(options)
+    assert set(options) == PUBLIC - {"gpus"}
+    assert not advanced & set(gpu_release.argument_spec()), "an advanced key is also a top-level option"
+    assert "proxmox_api" not in gpu_release.argument_spec()
     for name in advanced:
         sub = options["advanced"]["suboptions"][name]
         assert sub.get("default") == gpu_release.ADVANCED_ARGS[name].get("default"), name
@@ -41,16 +47,24 @@ class _Module(object):
         self.params = params
 
 
-def test_flatten_advanced_takes_the_dict_and_lets_a_deprecated_top_level_key_win():
-    params = dict((k, None) for k in gpu_release.ADVANCED_ARGS)
-    params["advanced"] = {"verify_timeout": 5.0, "clean_shm": True}
-    params["lock_timeout"] = 7.0
-    module = _Module(params)
-    flat, labels = gpu_release.flatten_advanced(module)
+def test_flatten_advanced_takes_the_dict_and_its_defaults():
+    params = {"advanced": {"verify_timeout": 5.0, "clean_shm": True}}
+    flat, labels = gpu_release.flatten_advanced(_Module(params))
     assert flat["verify_timeout"] == 5.0 and flat["clean_shm"] is True
-    assert flat["lock_timeout"] == 7.0 and labels["lock_timeout"] == "lock_timeout"
     assert flat["timeout"] == 180.0 and labels["timeout"] == "advanced.timeout"
-    assert params["timeout"] is None, "module.params (the task's invocation) keeps what was given"
+    assert set(labels.values()) == set("advanced." + k for k in gpu_release.ADVANCED_ARGS)
+    assert "timeout" not in params, "module.params (the task's invocation) keeps what was given"
+
+
+@pytest.mark.parametrize("given", [{"verify_timeout": 5}, {"timeout": 2, "advanced": {"timeout": 3}},
+                                   {"proxmox_api": {"host": "pve1", "user": "root@pam"}}])
+def test_a_removed_spelling_is_an_unsupported_parameter(given):
+    """Issue 45: the top-level copies of the advanced keys and the proxmox_api dict are gone; ansible's own
+    validation of the module's argument spec refuses each, naming it."""
+    result = ArgumentSpecValidator(gpu_release.argument_spec()).validate(dict(given))
+    unsupported = [e for e in result.errors if isinstance(e, UnsupportedError)]
+    name = [k for k in given if k != "advanced"][0]
+    assert len(unsupported) == 1 and name in str(unsupported[0]), [str(e) for e in result.errors]
 
 
 def run_task(tmp_path, args):
@@ -63,15 +77,15 @@ def run_task(tmp_path, args):
                           capture_output=True, text=True, timeout=120, check=False)
 
 
-def test_bad_advanced_value_is_named_and_the_old_spelling_warns(tmp_path):
+def test_bad_advanced_value_is_named_and_the_old_spelling_is_unsupported(tmp_path):
     new = run_task(tmp_path, {"advanced": {"verify_timeout": "nan"}})
     assert new.returncode == 2 and "advanced.verify_timeout must be a finite number, got nan" in new.stdout, new.stdout
     assert "DEPRECATION" not in new.stdout + new.stderr
-    old = run_task(tmp_path, {"verify_timeout": "nan"})
-    assert old.returncode == 2 and "verify_timeout must be a finite number, got nan" in old.stdout, old.stdout
-    assert "advanced.verify_timeout must" not in old.stdout
-    words = " ".join((old.stdout + old.stderr).split())
-    assert "DEPRECATION" in words and "verify_timeout" in words and "1.0.0" in words, words
+    # issue 45: the top-level spelling is no longer read (deprecated in issue 22, removed): ansible's own error
+    old = run_task(tmp_path, {"verify_timeout": 5})
+    words = " ".join(old.stdout.split())
+    assert old.returncode == 2 and "Unsupported parameters for (gpuops.fleet.gpu_release) module: verify_timeout" in words, words
+    assert "DEPRECATION" not in old.stdout + old.stderr
 
 
 def test_role_main_spec_has_at_most_15_variables_and_every_advanced_key_a_default():

@@ -1,12 +1,12 @@
 """Issue 22: the container rung's Proxmox API credentials under community.proxmox's names (api_host, api_user, ...,
-with PROXMOX_* fallbacks in gpu_release's argument_spec), the deprecated proxmox_api dict, and the errors that name
-what is missing."""
+with PROXMOX_* fallbacks in gpu_release's argument_spec) and the errors that name what is missing. The deprecated
+proxmox_api dict is gone (issue 45): test_knobs.py shows the module refusing it."""
 import pytest
 
 from ansible_collections.gpuops.fleet.plugins.module_utils._restart import ApiBackend, RestartError, api_credentials
 
 NONE = dict.fromkeys(("api_host", "api_port", "api_user", "api_password", "api_token_id", "api_token_secret",
-                      "validate_certs", "ca_path", "api_timeout", "proxmox_api"))
+                      "validate_certs", "ca_path", "api_timeout"))
 
 
 def params(**given):
@@ -35,17 +35,10 @@ def test_password_port_certs_and_timeout_are_passed():
     (dict(api_host="pve1", api_token_id="t", api_token_secret="s"), "api_host pve1 needs api_user (or PROXMOX_USER)"),
     (dict(api_host="pve1", api_user="u@pve", api_token_id="t"), "needs api_token_id and api_token_secret"),
     (dict(api_host="pve1", api_user="u@pve"), "or api_password (PROXMOX_PASSWORD)"),
-    (dict(api_host="pve1", api_user="u@pve", api_password="p", proxmox_api={"host": "pve1", "user": "u@pve"}),
-     "not both"),
 ])
-def test_what_is_missing_or_doubled_is_named(given, words):
+def test_what_is_missing_is_named(given, words):
     with pytest.raises(RestartError, match=words.replace("(", r"\(").replace(")", r"\)")):
         api_credentials(params(**given))
-
-
-def test_the_deprecated_dict_still_works():
-    old = {"host": "pve1", "port": 8006, "user": "u@pve", "token_id": "t", "token_secret": "s"}
-    assert api_credentials(params(proxmox_api=old)) == dict(old, timeout=10)
 
 
 def test_a_container_the_api_does_not_list_names_vm_audit():

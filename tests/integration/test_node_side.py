@@ -120,19 +120,22 @@ def test_the_role_fails_a_container_whose_vmid_has_no_config_on_its_node_and_sig
     path.write_text(yaml.safe_dump(inventory))
     variables = {"release_gpus_advanced": {"install_deps": False, "verify_timeout": 5},
                  "release_gpus_term_timeout": 2, "release_gpus_kill_timeout": 5}
-    proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", str(path),
-                           os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "ct101,ct199",
-                           "-e", json.dumps(variables)], cwd=REPO, env=clean.env, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, universal_newlines=True, timeout=600, check=False)
-    assert proc.returncode == 2, proc.stdout
-    assert "Node path | Release every selected container of the node" in proc.stdout, proc.stdout
-    # before issue 45: ct101 was released (changed=1, failed=0) and only ct199 failed, "its state is unknown"
-    recap = dict((h, (c, f)) for h, c, f in re.findall(r"^(ct\d+)\s+:.*changed=(\d+).*failed=(\d+)", proc.stdout, re.M))
-    assert recap == {"ct101": ("0", "1"), "ct199": ("0", "1")}, proc.stdout
-    assert host_alive(a["holders"][0]) and clean.used(0) == 500
     named = "containers: 199 has no config on this node pve1 (no /etc/pve/lxc/199.conf); this node's containers: 101, 102, 103"
-    assert named in " ".join(proc.stdout.split()), proc.stdout
-    assert "already free" not in proc.stdout
+    for check in (["--check"], []):     # check mode fails too: nothing is known free
+        proc = subprocess.run([os.path.join(VENV_BIN, "ansible-playbook"), "-i", str(path),
+                               os.path.join(REPO, "playbooks", "release_gpus.yml"), "--limit", "ct101,ct199",
+                               "-e", json.dumps(variables)] + check, cwd=REPO, env=clean.env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, universal_newlines=True, timeout=600, check=False)
+        assert proc.returncode == 2, proc.stdout
+        assert "Node path | Release every selected container of the node" in proc.stdout, proc.stdout
+        # before issue 45: ct101 was released (changed=1, failed=0) and only ct199 failed, "its state is unknown"
+        recap = dict((h, (c, f)) for h, c, f in re.findall(r"^(ct\d+)\s+:.*changed=(\d+).*failed=(\d+)", proc.stdout, re.M))
+        assert recap == {"ct101": ("0", "1"), "ct199": ("0", "1")}, proc.stdout
+        assert host_alive(a["holders"][0]) and clean.used(0) == 500
+        text = " ".join(proc.stdout.split())
+        assert named in text, proc.stdout
+        assert "gpu_release failed on node pve1 before any action, for ct199 (container 199)" in text, proc.stdout
+        assert "already free" not in proc.stdout and "GPUs not free" not in proc.stdout, proc.stdout
 
 
 def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):

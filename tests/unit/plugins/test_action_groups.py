@@ -1,6 +1,6 @@
 """meta/runtime.yml's action group gpu (issue 45): module_defaults: {group/gpuops.fleet.gpu: ...} reaches each module.
 
-A real ansible-playbook on localhost: the group gives every module a threshold_mib that is no integer, so each task fails
+A real ansible-playbook on localhost: the group gives every module a `gpus` that is no list (a dict), so each task fails
 in the module's own argument check, naming it, before anything is read. Without the group default the same task fails
 elsewhere (no NVML here), so the message proves the default arrived.
 """
@@ -20,10 +20,10 @@ PLAY = """
     ansible_python_interpreter: "{{ ansible_playbook_python }}"
   module_defaults:
     group/gpuops.fleet.gpu:
-      threshold_mib: lots
+      gpus: {not: a list}
   tasks:
     - {name: info, gpuops.fleet.gpu_info: {}, register: info, ignore_errors: true}
-    - {name: release, gpuops.fleet.gpu_release: {gpus: ['0']}, register: release, ignore_errors: true}
+    - {name: release, gpuops.fleet.gpu_release: {}, register: release, ignore_errors: true}
     - {name: old name, gpuops.fleet.gpu_status: {}, register: status, ignore_errors: true}
     - name: outside the group
       gpuops.fleet.gpu_info: {}
@@ -51,5 +51,5 @@ def test_module_defaults_of_the_group_reach_every_module(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     msgs = json.loads(out.read_text())
     for task in ("info", "release", "status"):
-        assert "argument 'threshold_mib' is of type" in msgs[task] and "convert to int" in msgs[task], (task, msgs[task])
-    assert "threshold_mib" not in msgs["outside"], msgs["outside"]
+        assert "argument 'gpus' is of type" in msgs[task] and "convert to list" in msgs[task], (task, msgs[task])
+    assert "argument 'gpus'" not in msgs["outside"], msgs["outside"]

@@ -114,3 +114,13 @@ def test_every_entry_point_has_the_same_spec_and_is_spelled_one_way():
         with open(os.path.join(ROLE, "tasks", name)) as f:
             text = f.read()
         assert text.count("include_role:") == text.count("rolespec_validate: false"), name
+
+
+def test_a_removed_flat_variable_fails_the_fleet_entry_naming_its_advanced_key(tmp_path):
+    """0.1.0's flat variables (release_gpus_verify_timeout ...) were removed: the argument check does not see a variable
+    its spec does not list, so the fleet entry refuses them by name, before any host is reached."""
+    rc, out = play(tmp_path, "release_gpus.yml", {"release_gpus_verify_timeout": 5, "release_gpus_wheel_dir": "/w"})
+    assert rc == 2, out
+    assert ("release_gpus_verify_timeout, release_gpus_wheel_dir: removed (issue 45); set "
+            "release_gpus_advanced.verify_timeout, release_gpus_advanced.wheel_dir instead") in " ".join(out.split()), out
+    assert "TASK [Release the GPUs" not in out and "UNREACHABLE" not in out, out    # the route's task failed: no include

@@ -6,6 +6,7 @@ as release_gpus_advanced.wheel_dir=/opt/gpuops/wheels does in AWX. `ansible-buil
 context; no container engine and no network are needed."""
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 import yaml
 from ansible import __version__ as ansible_version
 
-from _rolelab import REPO, VENV_BIN, RoleLab, alive, make_venv
+from _rolelab import REPO, VENV_BIN, RoleLab, alive, make_venv, parse_recap
 
 LAB_ID = os.environ.get("EE_TEST_LAB_ID", "r13ee")
 EE_WHEEL_DIR = "/opt/gpuops/wheels"   # documented in the AWX guide and execution-environment.yml
@@ -100,10 +101,30 @@ def test_context_puts_the_targets_wheels_at_the_documented_path(context):
         assert "wheel_dir: %s" % EE_WHEEL_DIR in handle.read()
 
 
+def operator_inventory(lab, path):
+    """The lab's inventory as an operator without root SSH writes it: the node user gpuops (NOPASSWD sudo) on the
+    node hosts (become for the role's node tasks) and for the pct connection (pct exec through sudo -n)."""
+    with open(lab.inventory) as handle:
+        inv = yaml.safe_load(handle)
+    groups = inv["all"]["children"]
+    for host in groups["pve_nodes"]["hosts"].values():
+        host["ansible_user"] = "gpuops"
+    for host in groups["gpu_containers"]["hosts"].values():
+        host.update(ansible_user="gpuops", ansible_pct_node_become=True)
+    with open(path, "w") as handle:
+        yaml.safe_dump(inv, handle)
+    return str(path)
+
+
+def report_rows(path):
+    with open(path) as handle:
+        return json.load(handle)["rows"]
+
+
 @pytest.fixture(scope="module")
 def lab():
-    """One lab node with one container, for both tests that run the role (its own lab: one bring-up)."""
-    built = RoleLab(LAB_ID, nodes=1, containers=1)
+    """One lab node with two containers, for both tests that run the role (its own lab: one bring-up)."""
+    built = RoleLab(LAB_ID, nodes=1, containers=2)
     try:
         yield built
     finally:
@@ -122,7 +143,7 @@ def test_role_installs_offline_from_the_ee_wheel_folder(context, lab):
         result = lab.playbook("release_gpus.yml", {"ansible_python_interpreter": python,
                                                    "release_gpus_advanced": {
                                                        "wheel_dir": str(context / "_build" / "wheels"),
-                                                       "deps_sources": ["wheels"]}})
+                                                       "deps_sources": ["wheels"]}}, limit="ct101")
         assert result.rc == 0, result
         imported = lab.exec(101, python, "-c", "import psutil, pynvml; print(psutil.__file__)")
         assert imported.returncode == 0 and imported.stdout.startswith(root), imported.stdout
@@ -132,9 +153,11 @@ def test_role_installs_offline_from_the_ee_wheel_folder(context, lab):
 
 
 def test_an_operator_installs_the_tarball_and_runs_the_playbooks_by_name(tarball, lab, tmp_path):
-    """Issue 22: a fresh venv with only ansible-core, the built tarball installed by ansible-galaxy, and no clone on
-    any path: `ansible-playbook gpuops.fleet.release_gpus --check` plans and changes nothing, the real run frees
-    the GPU, and `ansible-doc gpuops.fleet.gpu_info` renders."""
+    """Issues 22 and 45: a fresh venv with only ansible-core, the built tarball installed by ansible-galaxy into an
+    empty collections path, no clone on any path, and the lab's non-root node user `gpuops` with sudo (become for the
+    node tasks, sudo -n for pct): `ansible-playbook gpuops.fleet.release_gpus --check` changes nothing, the real run
+    frees the GPUs, a second run changes nothing, and `gpuops.fleet.predeploy_check` writes its JSON verdict; every
+    host of each play has a row in the report. `ansible-doc gpuops.fleet.gpu_info` renders."""
     venv, collections = tmp_path / "operator", tmp_path / "collections"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=300)
     bindir = str(venv / "bin")
@@ -142,8 +165,9 @@ def test_an_operator_installs_the_tarball_and_runs_the_playbooks_by_name(tarball
                           "ansible-core==%s" % ansible_version], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                          universal_newlines=True, timeout=600, check=False)
     assert pip.returncode == 0, pip.stdout
+    rows_path = tmp_path / "rows.json"
     env = dict(lab.env, ANSIBLE_COLLECTIONS_PATH=str(collections), PATH=bindir + os.pathsep + os.environ["PATH"],
-               ANSIBLE_CALLBACKS_ENABLED="gpuops.fleet.gpu_report", GPUOPS_REPORT_PATH=str(tmp_path / "rows.json"))
+               ANSIBLE_CALLBACKS_ENABLED="gpuops.fleet.gpu_report", GPUOPS_REPORT_PATH=str(rows_path))
     env.pop("PYTHONPATH", None)
 
     def run(*argv):
@@ -154,16 +178,49 @@ def test_an_operator_installs_the_tarball_and_runs_the_playbooks_by_name(tarball
     assert installed.returncode == 0, installed.stdout
     listed = run("ansible-galaxy", "collection", "list", "gpuops.fleet", "--format", "json")
     assert list(json.loads(listed.stdout)) == [str(collections / "ansible_collections")], listed.stdout   # no clone
-    holder = lab.run("plain", 101, [0], 256)
-    check = run("ansible-playbook", "-i", lab.inventory, "gpuops.fleet.release_gpus", "--check")
+    inv = operator_inventory(lab, tmp_path / "operator.yml")
+    sshd_log = os.path.join(os.path.dirname(lab.inventory), "nodes", "pve1", "sshd.log")
+    logged_before = os.path.getsize(sshd_log)
+    hosts = ["ct101", "ct102"]
+    holders = {"ct101": lab.run("plain", 101, [0], 256), "ct102": lab.run("plain", 102, [1], 128)}
+    pids = {host: h["holders"][0] for host, h in holders.items()}
+
+    check = run("ansible-playbook", "-i", inv, "gpuops.fleet.release_gpus", "--check")
     assert check.returncode == 0, check.stdout
-    assert alive(holder["holders"][0]) and lab.gpus()[("101", 0)] == 256, check.stdout
-    with open(tmp_path / "rows.json") as handle:
-        assert [r["verdict"] for r in json.load(handle)["rows"] if r["gpu_index"] == 0] == ["check"]
-    play = run("ansible-playbook", "-i", lab.inventory, "gpuops.fleet.release_gpus")
+    assert all(alive(pid) for pid in pids.values()), check.stdout
+    assert lab.gpus()[("101", 0)] == 256 and lab.gpus()[("102", 1)] == 128, check.stdout
+    rows = report_rows(rows_path)
+    assert sorted({r["host"] for r in rows}) == hosts, rows
+    assert sorted((r["host"], r["before_mib"], r["verdict"]) for r in rows if r["before_mib"]) \
+        == [("ct101", 256, "check"), ("ct102", 128, "check")], rows
+
+    play = run("ansible-playbook", "-i", inv, "gpuops.fleet.release_gpus")
     assert play.returncode == 0, play.stdout
-    assert not alive(holder["holders"][0]) and lab.gpus()[("101", 0)] == 0, play.stdout
-    with open(tmp_path / "rows.json") as handle:
-        assert [r["verdict"] for r in json.load(handle)["rows"] if r["gpu_index"] == 0] == ["freed"]
+    assert not any(alive(pid) for pid in pids.values()), play.stdout
+    assert lab.gpus()[("101", 0)] == 0 and lab.gpus()[("102", 1)] == 0, play.stdout
+    rows = report_rows(rows_path)
+    assert sorted({r["host"] for r in rows}) == hosts, rows
+    assert sorted((r["host"], r["before_mib"], r["verdict"]) for r in rows if r["before_mib"]) \
+        == [("ct101", 256, "freed"), ("ct102", 128, "freed")], rows
+
+    again = run("ansible-playbook", "-i", inv, "gpuops.fleet.release_gpus")
+    assert again.returncode == 0, again.stdout
+    recap = parse_recap(again.stdout)
+    assert sorted(recap) == hosts and all(r["changed"] == 0 for r in recap.values()), again.stdout
+    assert sorted({r["host"] for r in report_rows(rows_path)}) == hosts
+
+    verdict_path = tmp_path / "predeploy.json"
+    predeploy = run("ansible-playbook", "-i", inv, "gpuops.fleet.predeploy_check", "-e", "predeploy_expect_hosts=2",
+                    "-e", "predeploy_report_path=%s" % verdict_path)
+    assert predeploy.returncode == 0, predeploy.stdout
+    with open(verdict_path) as handle:
+        verdict = json.load(handle)
+    assert (verdict["verdict"], verdict["exit_code"], verdict["ready"], verdict["checked"]) == ("ready", 0, True, 2), verdict
+    assert [(c["host"], c["verdict"]) for c in verdict["containers"]] == [("ct101", "ready"), ("ct102", "ready")], verdict
+    # every login of these runs was the node user's, none root's (sshd's own log on the node)
+    with open(sshd_log, errors="replace") as handle:
+        handle.seek(logged_before)
+        logins = re.findall(r"Accepted publickey for (\S+)", handle.read())
+    assert logins and set(logins) == {"gpuops"}, logins
     doc = run("ansible-doc", "gpuops.fleet.gpu_info")
     assert doc.returncode == 0 and doc.stdout.startswith("> MODULE gpuops.fleet.gpu_info (%s" % collections), doc.stdout

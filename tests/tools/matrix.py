@@ -54,18 +54,19 @@ def venv_for(version):
     python = os.path.join(root, "bin", "python")
     stamp = os.path.join(root, ".stamp")
     interpreter = python_for(version)
-    wanted = "ansible-core==%s.* on %s" % (version, interpreter)
+    core = "ansible-core==%s.*" % version
+    wanted = "%s on %s" % (core, interpreter)
     if not (os.path.exists(stamp) and open(stamp).read() == wanted):
         shutil.rmtree(root, ignore_errors=True)
         subprocess.run([interpreter, "-m", "venv", root], check=True)
-        subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", wanted,
+        subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", core,
                         "-r", os.path.join(REPO, "requirements-controller.txt"),
                         "-r", os.path.join(REPO, "requirements-target.txt")] + list(DEV_PACKAGES), check=True)
         supported = controller_pythons(python)
         if python_version(python) not in supported:
             raise SystemExit("matrix: ansible-core %s's ansible-test supports %s as a controller, not %s's Python %s"
-                             " (tests/tools/pick_python.sh's table is wrong)" % (version, ", ".join(supported),
-                                                                                  interpreter, python_version(python)))
+                             " (tests/tools/pick_python.sh's table is wrong)"
+                             % (version, ", ".join(supported), interpreter, python_version(python)))
         site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
                               check=True, stdout=subprocess.PIPE, universal_newlines=True).stdout.strip()
         link = os.path.join(site, "ansible_collections", "gpuops", "fleet")

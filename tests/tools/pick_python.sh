@@ -6,7 +6,7 @@
 #
 # PY, when set, is the only candidate (make venv PY=/usr/bin/python3.12). Otherwise, for each version newest first:
 # python3.X on PATH, then pyenv's own builds (a pyenv shim of a version that is not selected does not run, so the
-# shim alone is not enough), then /usr/local/bin and /usr/bin. A candidate counts when it runs, is that version and
+# shim alone is not enough), then /usr/local/bin and /usr/bin (PICK_PYTHON_DIRS: other folders). A candidate counts when it runs, is that version and
 # can build a venv (ensurepip). Nothing found: one line on stderr naming what is missing, exit 1.
 set -uo pipefail
 core=${1:-}
@@ -37,14 +37,20 @@ pyenv_root=${PYENV_ROOT:-$HOME/.pyenv}
 for version in $versions; do
     candidates=("python$version")
     # pyenv's builds of X.Y, newest patch first
+    builds=()
+    for build in "$pyenv_root/versions/$version".*; do
+        [ -d "$build" ] && builds+=("$build")
+    done
     while IFS= read -r build; do
-        candidates+=("$build/bin/python$version")
-    done < <(ls -d "$pyenv_root/versions/$version".* 2>/dev/null | sort -rV)
-    candidates+=("/usr/local/bin/python$version" "/usr/bin/python$version")
+        [ -n "$build" ] && candidates+=("$build/bin/python$version")
+    done < <(printf '%s\n' "${builds[@]}" | sort -rV)
+    for dir in ${PICK_PYTHON_DIRS:-/usr/local/bin /usr/bin}; do
+        candidates+=("$dir/python$version")
+    done
     for candidate in "${candidates[@]}"; do
         works "$candidate" "$version" && exit 0
     done
 done
 list=${versions% *}; list="${list// /, } or ${versions##* }"
-echo "pick_python: no Python $list with venv support for ansible-core $core's controller (looked on PATH, in $pyenv_root/versions, /usr/local/bin, /usr/bin); install one (pyenv install ${versions%% *}, or apt-get install python${versions##* }-venv) or name it with PY=" >&2
+echo "pick_python: no Python $list with venv support for ansible-core $core's controller (looked on PATH, in $pyenv_root/versions, ${PICK_PYTHON_DIRS:-/usr/local/bin /usr/bin}); install one (pyenv install ${versions%% *}, or apt-get install python${versions##* }-venv) or name it with PY=" >&2
 exit 1

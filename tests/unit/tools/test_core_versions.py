@@ -146,7 +146,10 @@ def test_the_tested_range_is_the_same_in_runtime_yml_the_readme_the_matrix_and_m
         guide = " ".join(handle.read().split())
     assert "ansible-core %s to %s" % (versions[0], versions[-1]) in guide
     with open(os.path.join(REPO, ".ci", "run")) as handle:
-        assert "exec make test-matrix\n" in handle.read()   # every version of the matrix, none left out
+        ci = handle.read()
+    # every version and every cell of the matrix (no MATRIX_VERSIONS, no MATRIX_SANITY_ON): within its 45 minutes
+    assert "\nexec make test-matrix\n" in ci and "MATRIX_VERSIONS" not in ci, ci
+    assert "MATRIX_SANITY_ON=%s" % versions[-1] in guide   # the way out, should it take longer
 
 
 def test_sanity_runs_on_the_venvs_own_python_in_make_test_and_in_the_matrix(monkeypatch, tmp_path):
@@ -176,3 +179,32 @@ def test_sanity_runs_on_the_venvs_own_python_in_make_test_and_in_the_matrix(monk
     assert ok and len(commands) == 2, commands
     assert commands[0][commands[0].index("--python") + 1] == make_test_python
     assert commands[1][commands[1].index("--python") + 1] == own
+
+
+def test_the_matrix_names_each_cores_python_and_runs_sanity_only_where_asked(monkeypatch, capsys, tmp_path):
+    """Each version's first line names its Python and interpreter, and the table has a Python column; with
+    --sanity-on (.ci/run: 2.20), the other versions' sanity cells say `not run` and count neither way."""
+    sanity_ran, pytest_ran = [], []
+    monkeypatch.setattr(matrix, "venv_for", lambda version: str(tmp_path / version))
+    monkeypatch.setattr(matrix, "core_version", lambda root: os.path.basename(root) + ".7")
+    monkeypatch.setattr(matrix, "python_for", lambda version: "/opt/python-for-" + version)
+    monkeypatch.setattr(matrix, "python_version", lambda python: {"2.16": "3.12", "2.20": "3.13"}[python.split(os.sep)[-3]])
+    monkeypatch.setattr(matrix, "run", lambda cmd, env=None: pytest_ran.append((env["PATH"], cmd[-1])) or (True, 1.0, ""))
+    monkeypatch.setattr(matrix, "sanity", lambda root, env: sanity_ran.append(root) or (True, 2.0, ""))
+    monkeypatch.setattr(sys, "argv", ["matrix.py", "--versions", "2.16", "2.20", "--sanity-on", "2.20"])
+    try:
+        matrix.main()
+    except SystemExit as exc:
+        assert exc.code == 0
+    out = capsys.readouterr().out
+    assert sanity_ran == [str(tmp_path / "2.20")], sanity_ran
+    assert [cmd for dummy, cmd in pytest_ran] == ["tests/unit", "tests/integration/test_connection_pct.py",
+                                                 "tests/integration/test_role_release_gpus.py"] * 2
+    assert pytest_ran[0][0].startswith(os.path.join(str(tmp_path / "2.16"), "bin") + os.pathsep)
+    assert "ansible-core 2.16.7 on Python 3.12 (/opt/python-for-2.16;" in out
+    assert "ansible-core 2.20.7 on Python 3.13 (/opt/python-for-2.20;" in out
+    assert "ansible-core 2.16.7 sanity     not run (--sanity-on 2.20)" in out
+    assert "| ansible-core | Python | unit | connection | role | sanity |" in out
+    assert "| 2.16.7 | 3.12 | pass (1 s) | pass (1 s) | pass (1 s) | not run |" in out
+    assert "| 2.20.7 | 3.13 | pass (1 s) | pass (1 s) | pass (1 s) | pass (2 s) |" in out
+    assert "matrix: 7 of 7 cells passed" in out

@@ -21,8 +21,9 @@ import time
 def spawn(source, args=(), python_flags=()):
     """A new session running `python -c source args...`, talking over pipes on its stdin and stdout."""
     argv = [sys.executable or "python3"] + list(python_flags) + ["-c", source] + list(args)
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                            close_fds=True, start_new_session=True)
+    # run_command waits for its command; this helper talks to a child over pipes and must be able to abandon it
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,  # pylint: disable=ansible-bad-function
+                            stderr=subprocess.DEVNULL, close_fds=True, start_new_session=True)
 
 
 def abandon(proc):
@@ -83,8 +84,10 @@ def run_bounded(cmd, timeout, env=None, kill_wait=KILL_WAIT_S):
     subprocess.TimeoutExpired is raised. Whatever else ends the wait (a signal handler's exception)
     does the same before it goes on.
     """
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            close_fds=True, start_new_session=True, env=env)
+    # run_command has no session of its own to SIGKILL nor a bound on the output kept, and waits for ever on a
+    # command stuck in the driver
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,  # pylint: disable=ansible-bad-function
+                            stderr=subprocess.STDOUT, close_fds=True, start_new_session=True, env=env)
     finished = False
     try:
         out = _read_capped(proc, timeout, MAX_OUTPUT)

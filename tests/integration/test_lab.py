@@ -4,6 +4,7 @@ Real processes, namespaces, cgroups, sshd and supervisord; nothing mocked.
 Runs as root. One small lab per module (LAB_ID of its own), always torn down.
 """
 
+import glob
 import json
 import os
 import signal
@@ -538,8 +539,12 @@ def test_two_labs_side_by_side(lab):
         # Unprivileged: the install went to the container's own venv (uid 100000), nothing of the host changed.
         site = subprocess.run(["find", other["state"] + "/venvs/101", "-name", "psutil", "-uid", "100000"],
                               stdout=subprocess.PIPE, universal_newlines=True, check=True).stdout
-        assert site.strip() and not os.path.exists(os.path.join(REPO, ".lab", "venv-bare", "lib", "python3.11",
-                                                                "site-packages", "psutil"))
+        # .lab/venv-bare is the system python3's (lablib.lab.system_python), whatever the controller's Python
+        assert site.strip() and not glob.glob(os.path.join(REPO, ".lab", "venv-bare", "lib", "python3.*", "site-packages",
+                                                           "psutil"))
+        bare_version = subprocess.run([bare_py, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], check=True,
+                                      stdout=subprocess.PIPE, universal_newlines=True).stdout.strip()
+        assert glob.glob(os.path.join(REPO, ".lab", "venv-bare", "lib", "python" + bare_version, "site-packages")), bare_version
         assert other["nodes"]["pve1"]["address"] != lab["nodes"]["pve1"]["address"]
         assert other["state"] != lab["state"]
         assert ssh_node(other, "pct exec 101 -- hostname", lab_id=OTHER_LAB_ID).stdout.strip() == "ct101"

@@ -117,12 +117,33 @@ def tracked_files():
     return [p for p in out.split("\0") if p and os.path.lexists(os.path.join(REPO, p))]
 
 
-def install_get_pip_standin(pip_version="24.2"):
+def venv_python_version(python=None):
+    """X.Y of the venv's Python (.venv's by default): what ansible-test sanity runs on, not a fixed version."""
+    return subprocess.run([python or os.path.join(VENV_BIN, "python"), "-c",
+                           "import sys; print('%d.%d' % sys.version_info[:2])"],
+                          check=True, stdout=subprocess.PIPE, text=True).stdout.strip()
+
+
+def venv_site(python=None):
+    """The venv's site-packages (where `make venv` links the collection)."""
+    return subprocess.run([python or os.path.join(VENV_BIN, "python"), "-c",
+                           "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          check=True, stdout=subprocess.PIPE, text=True).stdout.strip()
+
+
+def install_get_pip_standin(python=None):
+    """The stand-in for each pip version that the venv's ansible-test bootstraps (2.16-2.17: 23.1.2, 2.18-2.19:
+    24.2, 2.20-2.21: 25.2), read from its own python_requirements.py."""
+    source = os.path.join(venv_site(python), "ansible_test", "_internal", "python_requirements.py")
+    with open(source) as handle:
+        versions = set(re.findall(r"\bpip='([\d.]+)'", handle.read()))
     cache = os.path.expanduser("~/.ansible/test/cache")
     os.makedirs(cache, exist_ok=True)
-    path = os.path.join(cache, "get_pip_%s.py" % pip_version.replace(".", "_"))
-    with open(path, "w") as handle:
-        handle.write(GET_PIP_STANDIN % pip_version)
+    for pip_version in versions:
+        path = os.path.join(cache, "get_pip_%s.py" % pip_version.replace(".", "_"))
+        with open(path, "w") as handle:
+            handle.write(GET_PIP_STANDIN % pip_version)
+    return versions
 
 
 def compile_sources():
@@ -181,7 +202,7 @@ def run_sanity(tally, stage="sanity"):
 
 
 def sanity_run(tally, coll, label, selection):
-    cmd = [os.path.join(VENV_BIN, "ansible-test"), "sanity", "--python", "3.11",
+    cmd = [os.path.join(VENV_BIN, "ansible-test"), "sanity", "--python", venv_python_version(),
            "--requirements", "--color", "no"] + list(SANITY_SKIPS) + list(selection)
     env = dict(os.environ, PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""))
     proc = subprocess.run(cmd, cwd=coll, env=env, stdout=subprocess.PIPE, check=False,
@@ -255,7 +276,7 @@ def run_lint(tally):
         print("ansible-lint: no roles or playbooks yet")
         return
     env = dict(os.environ, PATH=VENV_BIN + os.pathsep + os.environ.get("PATH", ""),
-               ANSIBLE_COLLECTIONS_PATH=os.path.join(REPO, ".venv", "lib", "python3.11", "site-packages"))
+               ANSIBLE_COLLECTIONS_PATH=venv_site())
     proc = subprocess.run([os.path.join(VENV_BIN, "ansible-lint"), "--profile", "production",
                            "--offline"] + targets, cwd=REPO, env=env, check=False, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, preexec_fn=idle_if_beside())

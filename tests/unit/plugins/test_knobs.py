@@ -126,13 +126,20 @@ def test_share_words_say_how_much_others_hold():
     assert share_words(report, two).startswith("the scope's share is free; 1000 MiB")
 
 
+# ansible-core 2.21's `ansible-doc -t role` warns about its own internal collection, whatever the collection shown
+# (2.21.5: "Collection at '.../ansible/_internal/ansible_collections/ansible/_protomatter' does not have a
+# MANIFEST.json file, nor has it galaxy.yml: cannot detect version."); only that exact line is not ours.
+CORE_OWN_WARNING = re.compile(r"^\[WARNING\]: Collection at '[^']*/ansible/_internal/ansible_collections/ansible/_protomatter' "
+                              r"does not have a MANIFEST\.json file, nor has it galaxy\.yml: cannot detect version\.\n", re.M)
+
+
 def test_ansible_doc_renders_the_role_and_every_plugin():
     """Issue 22: the role's docs (its 15 main variables and the advanced keys) and each plugin's render with
     ansible-doc from the collection."""
     def doc(*args):
         proc = subprocess.run([os.path.join(BIN, "ansible-doc")] + list(args), capture_output=True, text=True,
                               timeout=120, check=False, env=dict(os.environ, ANSIBLE_NOCOLOR="1"))
-        assert proc.returncode == 0 and not proc.stderr.strip(), (args, proc.stdout[-2000:], proc.stderr)
+        assert proc.returncode == 0 and not CORE_OWN_WARNING.sub("", proc.stderr).strip(), (args, proc.stdout[-2000:], proc.stderr)
         return proc.stdout
     role = doc("-t", "role", "gpuops.fleet.release_gpus")
     assert "release_gpus_advanced" in role and "deps_break_system_packages" in role and "wheel_dir" in role

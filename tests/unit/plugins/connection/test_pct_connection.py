@@ -784,7 +784,7 @@ def test_a_transfer_stuck_on_the_node_ends_at_transfer_timeout(local_node, tmp_p
 
 
 def test_the_private_ssh_internals_this_plugin_relies_on_by_core_version():
-    """Where ansible-core's ssh plugin differs by version (make test-matrix runs 2.16 to 2.19): _build_command and
+    """Where ansible-core's ssh plugin differs by version (make test-matrix runs 2.16 to 2.20, make test 2.21): _build_command and
     _bare_run are in every one; _init_shm (a password handed to ssh through shared memory) and sshpass_pipe set up
     front only from 2.19, so the plugin's streaming put/fetch uses them only where they exist."""
     from ansible import __version__ as core_version

@@ -19,7 +19,7 @@ init_plugin_loader()  # before the import below, so the loader and this module s
 
 from ansible_collections.gpuops.fleet.plugins.inventory import proxmox_gpu  # noqa: E402  pylint: disable=wrong-import-position
 
-# Where ansible-core's versions differ (make test-matrix runs 2.16 to 2.19): from 2.19 a composed value keeps its
+# Where ansible-core's versions differ (make test-matrix runs 2.16 to 2.20, make test 2.21): from 2.19 a composed value keeps its
 # native type (2, not '2'), trust is a tag read by is_trusted_as_template (before: the AnsibleUnsafe class), and the
 # cache plugin wraps its payload in a one-key envelope.
 CORE = tuple(int(part) for part in core_version.split(".")[:2])

@@ -221,5 +221,5 @@ def test_a_container_that_fails_its_own_probe_never_stops_its_nodes_release_for_
                           timeout=300, check=False)
     out = proc.stdout
     assert "fatal: [ct1]" in out and "ok: [ct2 -> nodeA]" in out, out[-3000:]
-    said = re.search(r"GPUs not free on ct2 \(container 102\).*?The node said: (.*?)\"", out)
+    said = re.search(r"no result from node nodeA for ct2 \(container 102\): its gpu_release failed.*?The node said: (.*?)\"", out)
     assert said and said.group(1).strip(), out[-3000:]     # the node's own answer, not a skipped task's silence

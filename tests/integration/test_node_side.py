@@ -134,7 +134,7 @@ def test_the_role_fails_a_container_whose_vmid_has_no_config_on_its_node_and_sig
         assert host_alive(a["holders"][0]) and clean.used(0) == 500
         text = " ".join(proc.stdout.split())
         assert named in text, proc.stdout
-        assert "gpu_release failed on node pve1 before any action, for ct199 (container 199)" in text, proc.stdout
+        assert "no result from node pve1 for ct199 (container 199): its gpu_release failed" in text, proc.stdout
         assert "already free" not in proc.stdout and "GPUs not free" not in proc.stdout, proc.stdout
 
 
@@ -185,7 +185,7 @@ def test_reset_is_refused_inside_a_container_and_while_a_client_runs_on_the_node
     assert inside.failed and "gpu_reset is refused inside a container" in inside["msg"] and "node" in inside["msg"]
     clean.labctl("leak", "--node", "pve1", "--gpu", 1, "--mib", 1000)
     monitor = clean.run("monitor", 101)
-    refused = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))
+    refused = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, advanced={"verify_timeout": 1}))
     assert refused.failed and clean.used(1) == 1000, refused
     # issue 21: the monitor is a reset blocker, named before anything is done (reset_blockers: refuse)
     assert refused["actions"] == [] and refused["msg"].startswith(
@@ -194,7 +194,7 @@ def test_reset_is_refused_inside_a_container_and_while_a_client_runs_on_the_node
     assert [(b["kind"], b["action"]) for b in refused["reset_blockers"]] == [("nvml_client", "refused")]
     assert host_alive(monitor["host_pids"][0])   # an NVML client is never signalled
     os.kill(monitor["host_pids"][0], 9)
-    done = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, verify_timeout=1))
+    done = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["1"], containers=[101], gpu_reset=True, advanced={"verify_timeout": 1}))
     assert not done.failed, done.get("msg")
     assert done["rung_reached"] == "reset" and clean.used(1) == 0, done
     assert [a["outcome"][:4] for a in done["actions"] if a["signal"] == "reset"] == ["done"]
@@ -337,7 +337,7 @@ def _shared_lock_paths(clean, minor):
 def test_node_release_on_a_container_sharing_the_nodes_run_lock_takes_that_lock_once(clean):
     node_file, ct_file = _shared_lock_paths(clean, 2)
     run = clean.run("plain", 103, [0], mib=600)
-    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["2"], containers=[103], lock_timeout=10))
+    play = clean.play("pve1", "gpu_release", dict(FAST, gpus=["2"], containers=[103], advanced={"verify_timeout": 3, "lock_timeout": 10}))
     assert not play.failed, play
     assert play["lock_wait_s"] < 1.0, play
     assert signalled(play) == [node_pid(run)] and not host_alive(run["holders"][0]) and clean.used(2) == 0
@@ -349,7 +349,7 @@ def test_node_release_on_a_container_sharing_the_nodes_run_lock_takes_that_lock_
 def test_a_release_inside_a_container_sharing_the_nodes_run_lock_waits_for_the_node_side_one(clean):
     dummy, ct_file = _shared_lock_paths(clean, 2)
     run = clean.run("term_ignoring", 103, [0])
-    args = dict(gpus=["2"], containers=[103], term_timeout=8, kill_timeout=2, lock_timeout=10)
+    args = dict(gpus=["2"], containers=[103], term_timeout=8, kill_timeout=2, advanced={"lock_timeout": 10})
     finish = clean.play("pve1", "gpu_release", args, background=True)
     assert wait_until(lambda: _flocked(ct_file), timeout=60), "the node-side release never took the lock"
     inside = clean.play("ct103", "gpu_release", dict(FAST, gpus=["0"]))

@@ -84,7 +84,7 @@ def test_predeploy_check_reads_each_node_once_and_still_counts_containers(clean)
     holder = lab.run("plain", 102, [0], 512)
     result = lab.playbook("predeploy_check.yml", {"release_gpus_from": "auto", "predeploy_expect_hosts": 6})
     assert result.rc == 2 and result.failed_hosts() == ["ct102"], (predeploy_lines(result.output), result)
-    node_reads = re.findall(r"^ok: \[(ct\d+) -> (pve\d)", result.output.split("Read each node's GPUs once")[1].split("TASK [")[0],
+    node_reads = re.findall(r"^ok: \[(ct\d+) -> (pve\d)", result.output.split("Node view | Read each node's GPUs once")[1].split("TASK [")[0],
                             re.M)
     assert sorted(node for dummy, node in node_reads) == ["pve1", "pve2"], result     # one read per node
     assert predeploy_lines(result.output) == [

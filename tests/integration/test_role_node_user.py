@@ -88,7 +88,8 @@ def test_node_path_as_gpuops_with_become_installs_on_the_node_releases_and_chang
     # the node lacked psutil and nvidia-ml-py: installed there through sudo (root owns them), reported as a change
     report = deps_report(first.output)
     assert report, first
-    site = os.path.join(root, "lib", "python%d.%d" % sys.version_info[:2], "site-packages")
+    site = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], check=True,
+                          stdout=subprocess.PIPE, universal_newlines=True).stdout.strip()     # the node's Python's, not ours
     wheels = dict((name.split("-")[0].lower(), name.split("-")[1]) for name in os.listdir(WHEELS) if name.endswith(".whl"))
     assert report["host"] == "pve1" and report["python"] == python, report
     assert report["packages"] == [{"name": "psutil", "version": wheels["psutil"], "path": site},

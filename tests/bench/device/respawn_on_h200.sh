@@ -45,7 +45,7 @@ release() {  # the module through ansible, like a playbook task; $1: tree dir
     PYTHONPATH=$SITE ANSIBLE_COLLECTIONS_PATH=$WORK/coll ANSIBLE_NOCOLOR=1 timeout 120 python3 -c \
         'import sys; from ansible.cli.adhoc import main; sys.argv[0]="ansible"; main()' localhost -c local \
         -e ansible_python_interpreter="$(command -v python3)" -m gpuops.fleet.gpu_release \
-        -a "match=$MARK gpus=0 term_timeout=2 kill_timeout=5 verify_timeout=10" -t "$1" > /dev/null 2>&1
+        -a "{\"match\": \"$MARK\", \"gpus\": [\"0\"], \"term_timeout\": 2, \"kill_timeout\": 5, \"advanced\": {\"verify_timeout\": 10}}" -t "$1" > /dev/null 2>&1
 }
 starts() { [ -f "$WORK/ready" ] && wc -l < "$WORK/ready" || echo 0; }
 wait_starts() {  # until the ready file has $1 lines, at most $2 s

@@ -199,7 +199,7 @@ def test_the_matrix_names_each_cores_python_and_runs_sanity_only_where_asked(mon
     out = capsys.readouterr().out
     assert sanity_ran == [str(tmp_path / "2.20")], sanity_ran
     assert [cmd for dummy, cmd in pytest_ran] == ["tests/unit", "tests/integration/test_connection_pct.py",
-                                                 "tests/integration/test_role_release_gpus.py"] * 2
+                                                  "tests/integration/test_role_release_gpus.py"] * 2
     assert pytest_ran[0][0].startswith(os.path.join(str(tmp_path / "2.16"), "bin") + os.pathsep)
     assert "ansible-core 2.16.7 on Python 3.12 (/opt/python-for-2.16;" in out
     assert "ansible-core 2.20.7 on Python 3.13 (/opt/python-for-2.20;" in out

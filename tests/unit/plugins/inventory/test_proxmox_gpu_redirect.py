@@ -4,12 +4,7 @@ Two small HTTPS servers on 127.0.0.1: the first is the API the inventory names, 
 redirect to the second, which records every request. The ticket (the PVEAuthCookie), the password and the API token
 must never reach the second; the plugin fails with one line naming itself and the redirect's target.
 """
-import json
 import os
-import ssl
-import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -20,64 +15,15 @@ from ansible.plugins.loader import init_plugin_loader, inventory_loader
 
 init_plugin_loader()
 
-LAB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "lab")
-if LAB not in sys.path:
-    sys.path.insert(0, os.path.normpath(LAB))
-from lablib.pveapi import make_certificate  # noqa: E402  pylint: disable=wrong-import-position,import-error
+from _https_api import https_apis  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 PASSWORD, TICKET, TOKEN = "pw-S3cret", "PVE:root@pam:TICKET-S3cret", "tok-S3cret"
 
 
-class Api(ThreadingHTTPServer):
-    """One HTTPS server: answers from a function of (method, path), records each request."""
-    daemon_threads = True
-
-    def __init__(self, context, answer):
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.socket = context.wrap_socket(self.socket, server_side=True)
-        self.answer, self.seen = answer, []
-        self.url = "https://127.0.0.1:%d" % self.server_address[1]
-
-
-class Handler(BaseHTTPRequestHandler):
-    def _serve(self):
-        length = int(self.headers.get("Content-Length") or 0)
-        body = self.rfile.read(length).decode() if length else ""
-        self.server.seen.append({"method": self.command, "path": self.path, "cookie": self.headers.get("Cookie") or "",
-                                 "authorization": self.headers.get("Authorization") or "", "body": body})
-        status, headers, data = self.server.answer(self.command, self.path)
-        payload = json.dumps({"data": data}).encode()
-        self.send_response(status)
-        for key, value in headers.items():
-            self.send_header(key, value)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(payload)))
-        self.end_headers()
-        self.wfile.write(payload)
-
-    do_GET = do_POST = _serve
-
-    def log_message(self, *args):  # pylint: disable=arguments-differ
-        pass
-
-
 @pytest.fixture(name="servers")
 def fixture_servers(tmp_path):
-    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
-    make_certificate(cert, key, "127.0.0.1")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
-    started = []
-
-    def start(answer):
-        server = Api(context, answer)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-        return server
-    yield start, cert
-    for server in started:
-        server.shutdown()
-        server.server_close()
+    with https_apis(tmp_path) as pair:
+        yield pair
 
 
 def elsewhere(method, path):

@@ -3,13 +3,9 @@
 A small HTTPS server on 127.0.0.1 stands in for the Proxmox VE API: it answers JSON like PVE, or HTML with status 200
 (a login page, a proxy), and records every request. The plugin runs unmocked (proxmoxer, requests, the TLS check).
 """
-import json
 import os
-import ssl
 import subprocess
 import sys
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -20,10 +16,7 @@ from ansible.plugins.loader import init_plugin_loader, inventory_loader
 
 init_plugin_loader()
 
-LAB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "lab")
-if LAB not in sys.path:
-    sys.path.insert(0, os.path.normpath(LAB))
-from lablib.pveapi import make_certificate  # noqa: E402  pylint: disable=wrong-import-position,import-error
+from _https_api import https_apis, make_certificate  # noqa: E402  pylint: disable=wrong-import-position,import-error
 
 RESOURCES = [{"id": "lxc/101", "type": "lxc", "node": "pve1", "vmid": 101, "name": "ct101", "status": "running",
               "template": 0, "tags": "gpu", "uptime": 50}]
@@ -34,7 +27,7 @@ BIN = os.path.dirname(sys.executable)
 
 
 def pve(method, path):
-    """(status, body bytes) as PVE answers: {"data": ...}."""
+    """(status, headers, data) as PVE answers (the stand-in wraps data in {"data": ...})."""
     if method == "POST" and path.endswith("/access/ticket"):
         data = {"ticket": "PVE:root@pam:T", "CSRFPreventionToken": "c", "username": "root@pam"}
     elif "/cluster/resources" in path:
@@ -43,56 +36,17 @@ def pve(method, path):
         data = STATUS
     else:
         data = CONFIG
-    return 200, json.dumps({"data": data}).encode()
-
-
-class Api(ThreadingHTTPServer):
-    daemon_threads = True
-
-    def __init__(self, context, answer):
-        super().__init__(("127.0.0.1", 0), Handler)
-        self.socket = context.wrap_socket(self.socket, server_side=True)
-        self.answer, self.seen = answer, []
-        self.url = "https://127.0.0.1:%d" % self.server_address[1]
-
-
-class Handler(BaseHTTPRequestHandler):
-    def _serve(self):
-        length = int(self.headers.get("Content-Length") or 0)
-        if length:
-            self.rfile.read(length)
-        self.server.seen.append((self.command, self.path))
-        status, body = self.server.answer(self.command, self.path)
-        self.send_response(status)
-        self.send_header("Content-Type", "text/html" if body.startswith(b"<") else "application/json")
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-    do_GET = do_POST = _serve
-
-    def log_message(self, *args):  # pylint: disable=arguments-differ
-        pass
+    return 200, {}, data
 
 
 @pytest.fixture(name="api")
 def fixture_api(tmp_path):
-    cert, key = str(tmp_path / "cert.pem"), str(tmp_path / "key.pem")
-    make_certificate(cert, key, "127.0.0.1")
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
-    started = []
-
-    def start(answer=pve):
-        server = Api(context, answer)
-        threading.Thread(target=server.serve_forever, daemon=True).start()
-        started.append(server)
-        server.cert = cert
-        return server
-    yield start
-    for server in started:
-        server.shutdown()
-        server.server_close()
+    with https_apis(tmp_path) as (start, cert):
+        def start_pve(answer=pve):
+            server = start(answer)
+            server.cert = cert
+            return server
+        yield start_pve
 
 
 def source(tmp_path, server, extra="", auth="token_id: ci\ntoken_secret: s3cret\n", ca_path=None):
@@ -197,7 +151,7 @@ def test_a_loose_boolean_in_ansible_cfg_fails_ansible_inventory_with_one_line(ap
 def html_on(where):
     def answer(method, path):
         if where in path:
-            return 200, HTML
+            return 200, {}, HTML
         return pve(method, path)
     return answer
 
@@ -222,7 +176,7 @@ def test_an_html_answer_is_named_in_one_line(api, tmp_path, where, auth, request
 ])
 def test_json_that_is_not_pves_is_named_in_one_line(api, tmp_path, body, words):
     def answer(method, path):
-        return (200, body) if "/cluster/resources" in path else pve(method, path)
+        return (200, {}, body) if "/cluster/resources" in path else pve(method, path)
     server = api(answer)
     text = refused(source(tmp_path, server))
     assert words in text and "GET cluster/resources" in text, text

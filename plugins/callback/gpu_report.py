@@ -546,12 +546,17 @@ class CallbackModule(CallbackBase):
             report.note_reason("unreachable: %s" % _message(res))
 
     def v2_playbook_on_stats(self, stats):
+        # a failure that a block rescued counts under rescued, not failures: it fails neither the host nor the run
+        failures = getattr(stats, "failures", None) or {}
+        for name, report in self._reports.items():
+            if report.task_failed and not failures.get(name):
+                report.task_failed = False
+        failed = set(name for name in self._play_failed if failures.get(name))
         rows = build_rows(self._reports, self._places, self._implicit)
         path = self.get_option("report_path")
         predeploy_path = self._extra_vars.get("predeploy_report_path")
         if predeploy_path:
-            verdict = predeploy_verdict(self._reports, self._places,
-                                        exit_code(self._play_broke, self._unreachable, self._play_failed),
+            verdict = predeploy_verdict(self._reports, self._places, exit_code(self._play_broke, self._unreachable, failed),
                                         self._predeploy_summary, self._checked_hosts, self._implicit)
             self._write(os.path.expanduser(str(predeploy_path)), verdict, "pre-deploy verdict")
         if not rows and not path:

@@ -123,4 +123,23 @@ def test_a_removed_flat_variable_fails_the_fleet_entry_naming_its_advanced_key(t
     assert rc == 2, out
     assert ("release_gpus_verify_timeout, release_gpus_wheel_dir: removed (issue 45); set "
             "release_gpus_advanced.verify_timeout, release_gpus_advanced.wheel_dir instead") in " ".join(out.split()), out
-    assert "TASK [Release the GPUs" not in out and "UNREACHABLE" not in out, out    # the route's task failed: no include
+    assert "UNREACHABLE" not in out and "Node path" not in out, out    # each host failed at the include, before any task
+
+
+def test_a_removed_flat_variable_of_one_host_fails_that_host(tmp_path):
+    """A removed variable in one host's own variables (host_vars) fails that host, whichever host comes first in its
+    batch (red team: a run_once check saw only the first host's variables)."""
+    with open(inventory(tmp_path)) as handle:
+        inv = yaml.safe_load(handle)
+    inv["all"]["children"]["gpu_containers"]["hosts"]["ct102"]["release_gpus_docker_containers"] = ["vllm"]
+    (tmp_path / "inventory.yml").write_text(yaml.safe_dump(inv))
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_FORCE_COLOR="0", ANSIBLE_HOST_KEY_CHECKING="0")
+    proc = subprocess.run([os.path.join(BIN, "ansible-playbook"), "-i", str(tmp_path / "inventory.yml"),
+                           os.path.join(REPO, "playbooks", "release_gpus.yml")],
+                          cwd=str(tmp_path), env=env, capture_output=True, text=True, timeout=180, check=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert ("release_gpus_docker_containers: removed (issue 45); set release_gpus_advanced.docker_containers instead"
+            in " ".join(out.split())), out
+    failed_at_include = re.search(r"(fatal|failed): \[ct102\].*?removed \(issue 45\)", out, re.S)
+    assert failed_at_include and "ct102 -> pve1" not in out, out    # ct102 never reached its node

@@ -68,3 +68,35 @@ def test_every_host_of_the_play_has_a_row_with_its_verdict_and_reason(tmp_path, 
     for host, (vmid, verdict) in got.items():   # one line each in the table too
         (line,) = [ln for ln in table if ln.split()[2:3] == [host]]
         assert line.split()[:3] == ["pve1", str(vmid), host] and " %s " % verdict in line, line
+
+
+RESCUED = """
+- hosts: ok1,rescued1
+  gather_facts: false
+  tasks:
+    - block:
+        - ansible.builtin.fail:
+            msg: failed, then rescued
+          when: inventory_hostname == 'rescued1'
+      rescue:
+        - ansible.builtin.debug:
+            msg: rescued
+"""
+
+
+def test_a_rescued_failure_fails_neither_the_host_nor_the_verdicts_exit_code(tmp_path):
+    """Red team of issue 45: a failure inside a block that its rescue handles leaves ansible-playbook at 0; the
+    pre-deploy file's exit code and the host's row must say so (the role rescues gpu_release's failure)."""
+    local = {"ansible_connection": "local", "ansible_python_interpreter": sys.executable, "proxmox_node": "pve1"}
+    hosts = {"ok1": dict(local, proxmox_vmid=101), "rescued1": dict(local, proxmox_vmid=102)}
+    (tmp_path / "inventory.yml").write_text(yaml.safe_dump({"all": {"hosts": hosts}}))
+    (tmp_path / "play.yml").write_text(RESCUED)
+    env = dict(os.environ, ANSIBLE_NOCOLOR="1", ANSIBLE_CALLBACKS_ENABLED="gpuops.fleet.gpu_report",
+               GPUOPS_REPORT_PATH=str(tmp_path / "rows.json"))
+    proc = subprocess.run([os.path.join(BIN, "ansible-playbook"), "-i", str(tmp_path / "inventory.yml"), str(tmp_path / "play.yml"),
+                           "-e", "predeploy_report_path=%s" % (tmp_path / "verdict.json")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "verdict.json").read_text())["exit_code"] == 0
+    rows = json.loads((tmp_path / "rows.json").read_text())["rows"]
+    assert sorted((row["host"], row["verdict"]) for row in rows) == [("ok1", "skipped"), ("rescued1", "no result")], rows

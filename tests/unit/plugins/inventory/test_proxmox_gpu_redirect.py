@@ -4,7 +4,6 @@ Two small HTTPS servers on 127.0.0.1: the first is the API the inventory names, 
 redirect to the second, which records every request. The ticket (the PVEAuthCookie), the password and the API token
 must never reach the second; the plugin fails with one line naming itself and the redirect's target.
 """
-import os
 
 import pytest
 

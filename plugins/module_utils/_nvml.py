@@ -28,6 +28,7 @@ import subprocess
 import threading
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _deps as deps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 
 try:
@@ -41,14 +42,9 @@ V2_MISSING_CODES = (3, 13, 25)  # not supported, no such function, argument vers
 NOT_APPLICABLE_CODES = (3, 13)  # not supported (an H200 has no page retirement), no such function in this NVML
 RECOVERY_ACTION_FIELD = 230     # NVML_FI_DEV_GET_GPU_RECOVERY_ACTION (nvidia-smi -q: "GPU Recovery Action")
 
-try:
+pynvml = None
+with deps.declare("nvidia-ml-py", import_name="pynvml", reason="to read the GPUs through NVML"):
     import pynvml
-    HAS_PYNVML = True
-    PYNVML_IMPORT_ERROR = None
-except Exception as _exc:  # ImportError, or a broken install
-    pynvml = None
-    HAS_PYNVML = False
-    PYNVML_IMPORT_ERROR = _exc
 
 _ERROR_TEXT = {
     9: "the NVIDIA driver is not loaded (NVML_ERROR_DRIVER_NOT_LOADED)",

@@ -37,14 +37,11 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._decide import (
     decide, generic_unit, gpu_list_words, plan_entry, reset_refusal, stop_set_verdict, stuck_in_driver,
 )
 
-try:
+from ansible_collections.gpuops.fleet.plugins.module_utils import _deps as deps
+
+psutil = None
+with deps.declare("psutil", reason="to signal processes, each guarded against pid reuse"):
     import psutil
-    HAS_PSUTIL = True
-    PSUTIL_IMPORT_ERROR = None
-except Exception as _exc:
-    psutil = None
-    HAS_PSUTIL = False
-    PSUTIL_IMPORT_ERROR = _exc
 
 RUNGS = ("none", "sigterm", "sigkill", "wait", "container_restart", "reset")
 POLL_S = 0.075

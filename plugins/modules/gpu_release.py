@@ -454,7 +454,9 @@ EXAMPLES = r"""
 
 RETURN = r"""
 missing_library:
-  description: On a host where psutil or nvidia-ml-py does not import, the package to install (the task fails).
+  description:
+    - On a host where psutil or nvidia-ml-py does not import (or proxmoxer, with O(container_restart) and
+      O(api_host)), the package to install (the task fails, its message saying how).
   returned: when a library is missing
   type: str
   sample: nvidia-ml-py
@@ -684,6 +686,8 @@ per_container:
     - Each of its C(gpus) also has C(rung) (C(none) when it held nothing there, else the strongest step taken for
       it, C(stop) when a stop alone freed it) and C(signals) (C(SIGTERM 4388 (python3)) ...), as the role reports
       them.
+    - The entry itself has C(rung), the strongest of its GPUs' rungs, and C(signals), each step taken for it (a
+      signal sent, a stop or a container stop or start done), in the words of RV(per_gpu).
   returned: always
   type: list
   elements: dict
@@ -693,7 +697,28 @@ per_container:
                       "others_mib": 2048,
                       "free": true, "rung": "sigterm", "signals": ["SIGTERM 4388 (python3)"]}],
             "found_units": [], "stopped": [],
-            "actions": [{"pid": 4388, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}], "not_signalled": []}]
+            "actions": [{"pid": 4388, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}], "not_signalled": [],
+            "rung": "sigterm", "signals": ["SIGTERM 4388 (python3)"]}]
+per_gpu:
+  description:
+    - One entry per targeted GPU (as in RV(before)), on both paths (inside a container and from the node): what was
+      done for it and how it ended. The same shape whichever path ran the release.
+    - C(index) and C(uuid) as this host numbers and names the GPU.
+    - C(rung) is the strongest step taken for it, in this order: C(none), C(stop) (a unit of
+      O(advanced.stop_found_units)), C(sigterm), C(sigkill), C(wait) (a planned holder stuck in D state),
+      C(container_restart) (a container that held it was stopped), C(reset).
+    - C(signals) lists each step taken for it, a signal sent to a process planned for it (C(SIGKILL 533 (python3))),
+      its reset (C(reset GPU 1)), or a stop or container stop in a container that held it (C(container_stop
+      container 101)); steps refused or not sent are in RV(actions) only.
+    - C(verdict) is C(free) or C(busy) once verified (with O(shared_gpu=own) on a node, free for the scope),
+      C(planned) or C(nothing to do) in check mode, or C(not released) when the task stopped before the ladder
+      (a refusal, a lock, NVML; RV(msg) says why).
+    - C(planned) lists the pids of RV(plan) pinned to it.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"index": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "rung": "sigkill",
+            "signals": ["SIGTERM 533 (python3)", "SIGKILL 533 (python3)"], "verdict": "free", "planned": [533]}]
 reads:
   description:
     - How the GPUs were read while the release waited. C(full) counts full reads (NVML and a walk of C(/proc));

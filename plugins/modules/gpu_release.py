@@ -701,10 +701,10 @@ per_container:
             "rung": "sigterm", "signals": ["SIGTERM 4388 (python3)"]}]
 per_gpu:
   description:
-    - One entry per targeted GPU (as in RV(before)), on both paths (inside a container and from the node): what was
-      done for it and how it ended. The same shape whichever path ran the release.
+    - One entry per targeted GPU (as in RV(before)), on both paths (inside a container and from the node), saying what
+      was done for it and how it ended. The same shape whichever path ran the release.
     - C(index) and C(uuid) as this host numbers and names the GPU.
-    - C(rung) is the strongest step taken for it, in this order: C(none), C(stop) (a unit of
+    - C(rung) is the strongest step taken for it, weakest first C(none), C(stop) (a unit of
       O(advanced.stop_found_units)), C(sigterm), C(sigkill), C(wait) (a planned holder stuck in D state),
       C(container_restart) (a container that held it was stopped), C(reset).
     - C(signals) lists each step taken for it, a signal sent to a process planned for it (C(SIGKILL 533 (python3))),
@@ -712,7 +712,7 @@ per_gpu:
       container 101)); steps refused or not sent are in RV(actions) only.
     - C(verdict) is C(free) or C(busy) once verified (with O(shared_gpu=own) on a node, free for the scope),
       C(planned) or C(nothing to do) in check mode, or C(not released) when the task stopped before the ladder
-      (a refusal, a lock, NVML; RV(msg) says why).
+      (a refusal, a lock, NVML; C(msg) says why).
     - C(planned) lists the pids of RV(plan) pinned to it.
   returned: always
   type: list

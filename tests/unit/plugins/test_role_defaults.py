@@ -86,8 +86,7 @@ def release_tasks(tasks):
         if "gpuops.fleet.gpu_release" in task:
             yield task["gpuops.fleet.gpu_release"]
         for key in ("block", "rescue", "always"):
-            for found in release_tasks(task.get(key)):
-                yield found
+            yield from release_tasks(task.get(key))
 
 
 def literal_defaults(value):

@@ -20,7 +20,7 @@ description:
     O(advanced.verify_timeout).
   - 6. With O(gpu_reset=true), a GPU that no process holds but whose memory is still used is reset with
     C(nvidia-smi --gpu-reset); the reset is refused while any holder remains.
-  - 7. Verify that every targeted GPU's v2 C(used) is at most O(advanced.threshold_mib), else fail with the gpu_status
+  - 7. Verify that every targeted GPU's v2 C(used) is at most O(advanced.threshold_mib), else fail with the gpu_info
     diagnosis and what was tried.
   - "Which GPUs a holder holds is decided by evidence, not by the device nodes it maps: every CUDA process maps the
     node of every GPU visible to it. A holder that NVML names, where it maps a context, holds exactly the GPUs where
@@ -560,7 +560,7 @@ remaining:
                          "blocked_threads": [{"tid": 812, "comm": "python3", "wchan": "__refrigerator", "stack": null}]}],
             "error": null}]
 diagnosis:
-  description: The gpu_status diagnosis of the final state, plus holders that were not signalled and why.
+  description: The gpu_info diagnosis of the final state, plus holders that were not signalled and why.
   returned: always
   type: list
   elements: str

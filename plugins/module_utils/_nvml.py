@@ -61,6 +61,7 @@ _ERROR_TEXT = {
         "--no-kernel-module), since the container shares the node's kernel module",
 }
 
+
 class NvmlFailure(Exception):
     """An NVML call failed, timed out or NVML is unusable; kind says which."""
 

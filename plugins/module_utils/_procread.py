@@ -392,7 +392,6 @@ class BoundedReader(object):
         return out
 
 
-
 def blocked_info(pid, proc_root, path, timeout):
     """What a process whose read blocked is doing: its state, wchan and D-state threads (these reads never block)."""
     stat = read_stat(pid, proc_root)

@@ -589,5 +589,3 @@ def read_cgroup(pid, proc_root="/proc"):
     except OSError:
         return None
     return None if is_truncated(raw) else parse_cgroup(raw.decode("utf-8", "replace"))
-
-

@@ -43,7 +43,9 @@ psutil = None
 with deps.declare("psutil", reason="to signal processes, each guarded against pid reuse"):
     import psutil
 
-RUNGS = ("none", "sigterm", "sigkill", "wait", "container_restart", "reset")
+# The ladder, in order; the one list of rungs (issue 46): the gpu_report callback reads it. "stop" (units stopped, no
+# signal) is reported on a container's rows (per_container); rung_reached (_set_rung) starts at the signals.
+RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "container_restart", "reset")
 POLL_S = 0.075
 FULL_READ_EVERY_S = 1.0  # shared_gpu: own polls read NVML alone in between (_scope_still_holds)
 GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wait for its memory

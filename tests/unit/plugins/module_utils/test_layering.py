@@ -9,7 +9,7 @@ PLUGINS = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "plugins")
 PREFIX = "ansible_collections.gpuops.fleet.plugins.module_utils"
 
 LAYERS = {
-    "read": ("_helperproc", "_procscan", "_nvml", "_pveconf", "_node", "_redact", "_selectors", "_access", "_mps", "_deps"),
+    "read": ("_helperproc", "_procread", "_procscan", "_nvml", "_nvmlhelper", "_pveconf", "_node", "_redact", "_selectors", "_access", "_mps", "_deps"),
     "evidence": ("_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_gpu_engine"),
     "decide": ("_decide",),
     "act": ("_hardstop", "_respawn", "_restart", "_units", "_locks", "_shmclean", "_release"),

@@ -191,12 +191,12 @@ def test_red5_a_release_whose_container_lock_helper_dies_signals_nothing(world, 
     engine.start()
     snapshot = engine.snapshot
 
-    def kill_then_read(targets):
+    def kill_then_read(targets, **given):
         for helper in helpers:
             if helper.alive():
                 os.kill(helper.proc.pid, signal_mod.SIGKILL)   # our own test child
                 helper.proc.wait(5)
-        return snapshot(targets)
+        return snapshot(targets, **given)
     engine.snapshot = kill_then_read
     scope = node.Scope([101], proc_root=world.proc.root)
     failed, msg, result = release(engine, [0], dict(lock_timeout=2.0, scope=scope, term_timeout=0.3, kill_timeout=0.3,

@@ -13,6 +13,7 @@ import time
 import pytest
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
+from ansible_collections.gpuops.fleet.plugins.module_utils import _rungs as rungs
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _release as release_mod
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import decide
@@ -220,7 +221,7 @@ def test_an_ask_is_capped_by_the_deadline_and_not_made_with_no_time_left(proc, t
     assert took < mps.ASK_TIMEOUT_S / 2, took
     runs = []
     monkeypatch.setattr(mps.helperproc, "run_bounded", lambda *a, **k: runs.append(a) or (0, "0"))
-    ok, text = mps.ask(control, "terminate_client 300 301", deadline=time.monotonic() - 0.1)
+    ok, text = rungs.terminate_client(control, 300, 301, deadline=time.monotonic() - 0.1)
     assert not ok and runs == []
     assert text == ("control daemon pid 299 was not asked 'terminate_client 300 301': no time was left before the "
                     "overall timeout")

@@ -15,12 +15,17 @@ import os
 import subprocess
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _blockers as blockers
 from ansible_collections.gpuops.fleet.plugins.module_utils import _hardstop as hardstop
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
+from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
+from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
 from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
 from ansible_collections.gpuops.fleet.plugins.module_utils import _verdict as verdict_mod
-from ansible_collections.gpuops.fleet.plugins.module_utils._decide import reset_refusal
+from ansible_collections.gpuops.fleet.plugins.module_utils import _where as where
+from ansible_collections.gpuops.fleet.plugins.module_utils._access import read_drm_refcount
+from ansible_collections.gpuops.fleet.plugins.module_utils._decide import generic_unit, reset_refusal
 from ansible_collections.gpuops.fleet.plugins.module_utils._hardstop import ReleaseTimeout
 
 UNIT_WORDS = units.KIND_WORDS
@@ -242,10 +247,28 @@ class ContainerRestart(object):
     """The container rung (node side): stop a container, then always start it again (one section the hard stop
     never cuts). backend: _restart's PctBackend or ApiBackend."""
 
-    def __init__(self, clock, recorder, restores, backend, timeout):
+    def __init__(self, clock, recorder, restores, backend, timeout, proc_root="/proc"):
         self.clock, self.recorder, self.restores = clock, recorder, restores
-        self.backend, self.timeout = backend, timeout
+        self.backend, self.timeout, self.proc_root = backend, timeout, proc_root
         self.restarted = []
+
+    def refusal(self, report, why, vmid, decide_again):
+        """Why container vmid is not stopped, decided before anything changes: locked or HA-managed (read again
+        right before the stop: a backup may have started since the plan), decided again as a stop set
+        (decide_again(report, vmid, processes), the ladder's), a holder stuck in the driver, too little time left
+        for its stop and its start. None: go on."""
+        refusal = restart.refusal(self.backend, vmid)
+        if refusal:
+            return "%s; %s" % (why, refusal)
+        processes = where.processes_by_container(self.proc_root, getattr(report, "scan", None)).get(str(vmid), [])
+        verdict = decide_again(report, str(vmid), processes)
+        if verdict["verdict"] != "stop":
+            return "%s; decided again right before the stop: %s" % (
+                why, verdict_mod.restart_words(vmid, verdict, len(processes)))
+        stuck = verdict_mod.stuck_refusal(report, vmid)
+        if stuck:
+            return stuck
+        return self.clock.no_time_for(self.timeout, "stop container %s and start it again" % vmid)
 
     def restart(self, report, vmid):
         """Stop container vmid, then start it again; returns the failure text or None. A container that is not
@@ -299,6 +322,31 @@ class ContainerRestart(object):
                 return now
             last = now
         return last
+
+
+def reset_plan(engine, report, targets, mode):
+    """What would block a reset of targets on a node: {"blockers" (blockers.plan's), "refusals" (they stop the
+    release before anything is signalled), "services" (the daemons' services to stop and start again, with
+    reset_blockers: stop_services), "persistence" (the indexes whose persistence mode is turned off for it)}."""
+    readings = {"persistence": {}, "mig": {}, "services": {}, "drm_refcount": read_drm_refcount()}
+    for index in targets:
+        readings["persistence"][index] = engine.nvml.mode(index, "nvmlDeviceGetPersistenceMode")
+        readings["mig"][index] = engine.nvml.mode(index, "nvmlDeviceGetMigMode")
+    for record in list(report.holders) + list(report.clients) + list(report.protected_holders):
+        if record.get("protected_name") in blockers.DAEMONS:
+            service = stopsets.node_service(record, engine.proc_root)
+            generic = generic_unit(service["name"]) if service and service["kind"] == "systemd" else None
+            readings["services"][record["pid"]] = dict(service, refused=generic) if generic else service
+    found, refusals = blockers.plan(report, targets, readings, mode, engine.gpus)
+    plan = {"blockers": found, "refusals": refusals, "services": [], "persistence": []}
+    if mode == "stop_services":
+        seen = set()
+        for pid, service in sorted(readings["services"].items()):
+            if service is not None and service["name"] not in seen:
+                seen.add(service["name"])
+                plan["services"].append(dict(service, pid=pid))
+        plan["persistence"] = sorted(i for i, on in readings["persistence"].items() if on)
+    return plan
 
 
 class GpuReset(object):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _ladder as ladder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
@@ -182,7 +183,7 @@ def test_red5_a_release_whose_container_lock_helper_dies_signals_nothing(world, 
         helpers.append(self)
         return acquire(self, *args, **kwargs)
     monkeypatch.setattr(locks_mod.HelperLocks, "acquire", recorded)
-    monkeypatch.setattr(release_mod, "send_guarded", lambda record, sig, *a, **k: sent.append((record["pid"], sig)) or "sent")
+    monkeypatch.setattr(ladder, "send_guarded", lambda record, sig, *a, **k: sent.append((record["pid"], sig)) or "sent")
     confs = dict((vmid, node.parse_pve_conf("hostname: ct%s\n" % vmid)) for vmid in ("101", "102"))
     monkeypatch.setattr(node, "read_pve_confs", lambda *a, **k: confs)
     monkeypatch.setattr(node, "container_inits", lambda *a, **k: {"101": 500, "102": 600})

@@ -12,7 +12,7 @@ LAYERS = {
     "read": ("_helperproc", "_procscan", "_nvml", "_pveconf", "_node", "_redact", "_selectors", "_access", "_mps"),
     "evidence": ("_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_gpu_engine", "_where"),
     "decide": ("_decide", "_verdict"),
-    "act": ("_hardstop", "_respawn", "_restart", "_units", "_locks", "_shmclean", "_signals", "_rungs", "_release"),
+    "act": ("_hardstop", "_respawn", "_restart", "_units", "_locks", "_shmclean", "_signals", "_rungs", "_ladder", "_release"),
 }
 ORDER = ("read", "evidence", "decide", "act")
 RANK = dict((name, ORDER.index(layer)) for layer, names in LAYERS.items() for name in names)

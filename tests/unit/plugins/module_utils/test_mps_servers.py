@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _ladder as ladder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _rungs as rungs
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
@@ -149,7 +150,7 @@ def test_m2_a_release_of_gpu_0_terminates_its_client_and_leaves_the_server(proc,
     own_namespaces(proc, 299)
     fake = NoMpsList(mps_world(proc))
     sent = []
-    monkeypatch.setattr(release_mod, "send_guarded", fake_signals(proc, fake, sent))
+    monkeypatch.setattr(ladder, "send_guarded", fake_signals(proc, fake, sent))
     failed, msg, result = release_mod.release(engine_for(proc, fake), [0], OPTS, lock_dir=str(tmp_path / "locks"),
                                               deadline=time.monotonic() + 30)
     assert failed and msg.startswith("GPU 0 not free after the ladder"), msg
@@ -237,7 +238,7 @@ def test_h1_a_control_daemon_that_never_answers_ends_the_release_within_its_time
     proc.add(301, maps=ctx(0), fds=["/dev/nvidia0"], cgroup=SERVICE)
     fake = MpsList([{"minor": 0, "used_mib": 66 + 4096, "procs": [(300, 66), (301, 4096)], "mps": [(301, 4096)]}])
     sent = []
-    monkeypatch.setattr(release_mod, "send_guarded", fake_signals(proc, fake, sent))
+    monkeypatch.setattr(ladder, "send_guarded", fake_signals(proc, fake, sent))
     timeout = 3.0
     started = time.monotonic()
     failed, msg, result = release_mod.release(engine_for(proc, fake), [0], dict(OPTS, timeout=timeout),

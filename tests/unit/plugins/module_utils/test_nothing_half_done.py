@@ -10,6 +10,7 @@ import signal
 
 import pytest
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _ladder as ladder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
@@ -340,7 +341,7 @@ def rung_run(proc, monkeypatch, tmp_path, k):
     import sys
     from ansible_collections.gpuops.fleet.plugins.module_utils import _release
     from ansible_collections.gpuops.fleet.plugins.modules import gpu_release
-    monkeypatch.setattr(_release, "send_guarded", lambda *a, **k: "not sent: a unit test")
+    monkeypatch.setattr(ladder, "send_guarded", lambda *a, **k: "not sent: a unit test")
     backend = Backend()
     options = dict(term_timeout=0.0, kill_timeout=0.0, verify_timeout=0.0, container_restart=True,
                    restart_backend=backend, container_timeout=30.0, scope=node.Scope([101], proc_root=proc.root))

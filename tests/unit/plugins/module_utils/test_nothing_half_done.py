@@ -115,7 +115,8 @@ def leaked(proc, monkeypatch, extra=None):
 
 def resetting(engine, smi, deadline=None):
     from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser
-    releaser = Releaser(engine, [0], release_opts(gpu_reset=True, reset_blockers="stop_services", nvidia_smi=smi, scope=node.Scope([101], proc_root=engine.proc_root)), deadline=deadline)
+    releaser = Releaser(engine, [0], release_opts(gpu_reset=True, reset_blockers="stop_services", nvidia_smi=smi,
+                                                  scope=node.Scope([101], proc_root=engine.proc_root)), deadline=deadline)
     releaser.reset_services, releaser.reset_persistence = [dict(SERVICE)], [0]
     return releaser
 
@@ -266,7 +267,9 @@ def held_in_101(proc, monkeypatch, thread=None):
 
 def restarting(engine, backend, deadline=None):
     from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser
-    releaser = Releaser(engine, [0], release_opts(container_restart=True, restart_backend=backend, container_timeout=30.0, scope=node.Scope([101], proc_root=engine.proc_root)), deadline=deadline)
+    releaser = Releaser(engine, [0], release_opts(container_restart=True, restart_backend=backend,
+                                                  container_timeout=30.0,
+                                                  scope=node.Scope([101], proc_root=engine.proc_root)), deadline=deadline)
     releaser.restart_plan = [{"vmid": 101, "refusal": None}]
     return releaser
 
@@ -406,7 +409,8 @@ def test_found_units_stopped_before_the_deadline_are_recorded(proc, monkeypatch)
         releaser.deadline = time.monotonic() - 0.01     # this stop took the time that was left (no sleep: no race)
         return {"ok": True, "text": "stopped"}
     monkeypatch.setattr(units, "stop", slow_stop)
-    releaser = Releaser(held_in_101(proc, monkeypatch), [0], release_opts(stop_found_units=True, scope=node.Scope([101], proc_root=proc.root)), deadline=time.monotonic() + 60)
+    releaser = Releaser(held_in_101(proc, monkeypatch), [0], release_opts(stop_found_units=True,
+                                                                          scope=node.Scope([101], proc_root=proc.root)), deadline=time.monotonic() + 60)
     found = [{"vmid": 101, "kind": "systemd", "name": n, "pids": [60]} for n in ("a.service", "b.service")]
     releaser.found_units = [dict(u) for u in found]
     with pytest.raises(ReleaseTimeout, match="during the stop of systemd b.service in container 101"):

@@ -564,7 +564,10 @@ def check_report(world, engine, report, root):
     for targets in target_sets(world.gpus):
         for collateral in ("refuse", "stop"):
             why = "targets %s, collateral %s" % (targets, collateral)
-            releaser = Releaser(engine, targets, release_opts(collateral=collateral, collateral_tolerance_mib=TOLERANCE, scope=node.Scope([int(VMID)], proc_root=root), stop_found_units=True))
+            releaser = Releaser(engine, targets, release_opts(collateral=collateral,
+                                                              collateral_tolerance_mib=TOLERANCE,
+                                                              scope=node.Scope([int(VMID)], proc_root=root),
+                                                              stop_found_units=True))
             releaser.prepare(report)
             allowed = releaser.find_units(report)
             planned = set(r["pid"] for r in releaser.to_signal)

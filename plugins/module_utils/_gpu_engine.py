@@ -467,6 +467,13 @@ class Engine(object):
             if not procscan.is_descendant(pid, self.self_pid, self.proc_root, cache):
                 records[pid] = self.details(entry, minor_index)
 
+    def _given(self, rank_deaths, shm):
+        """snapshot's rank_deaths and shm, when given, replace the engine's own for this read and the next."""
+        if rank_deaths is not None:
+            self.rank_deaths = rank_deaths
+        if shm is not None:
+            self.shm_prefixes, self.shm_since = shm or (None, None)
+
     def snapshot(self, targets, rank_deaths=None, shm=None):
         """Report for the targeted GPU indexes (every field gpu_status returns).
 
@@ -480,10 +487,7 @@ class Engine(object):
         /proc is read, so a process that starts in between is not taken for a
         contradiction of NVML.
         """
-        if rank_deaths is not None:
-            self.rank_deaths = rank_deaths
-        if shm is not None:
-            self.shm_prefixes, self.shm_since = shm or (None, None)
+        self._given(rank_deaths, shm)
         self._minor_cache, self._folders = {}, {}
         views = self._nvml_views()
         # GPUs described by NVML but whose calls failed are unknown too (their minor is known)

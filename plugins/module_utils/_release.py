@@ -35,6 +35,7 @@ __all__ = ["HAS_PSUTIL", "LEGACY_DEFAULTS", "LOCK_DIR", "PSUTIL_IMPORT_ERROR", "
            "find_nvidia_smi", "held_by_others_mib", "left_changed_words", "options_of", "release", "send_guarded",
            "share_words", "targets_free"]
 
+
 def collateral_of(engine, releaser, before, measure_after):
     """Untargeted GPUs that the plan frees as a side effect, with their used MiB before and (after a run) after."""
     indexes = set(s["index"] for entry in releaser.plan for s in entry["side_effect_gpus"])
@@ -81,7 +82,6 @@ def _after_stops(releaser, found, refused):
     planned = set(e["pid"] for e in first)
     releaser.plan = first + [e for e in releaser.plan if e["pid"] not in planned]
     return fresh
-
 
 
 def backstop_result(progress):

@@ -228,7 +228,6 @@ def refused_words(refused):
         "container %s: %s" % (vmid, " | ".join(refused[vmid])) for vmid in sorted(refused, key=int))
 
 
-
 def restart_words(vmid, verdict, count):
     """The refusal of a container restart decided as a stop set (verdict: stop_set_verdict's)."""
     if not verdict["collateral"]:

@@ -386,8 +386,19 @@ class Engine(object):
             if not procscan.is_descendant(pid, self.self_pid, self.proc_root, cache):
                 records[pid] = self.details(entry, minor_index)
 
-    def snapshot(self, targets):
+    def _given(self, rank_deaths, shm):
+        """snapshot's rank_deaths and shm, when given, replace the engine's own for this read and the next."""
+        if rank_deaths is not None:
+            self.rank_deaths = rank_deaths
+        if shm is not None:
+            self.shm_prefixes, self.shm_since = shm or (None, None)
+
+    def snapshot(self, targets, rank_deaths=None, shm=None):
         """Report for the targeted GPU indexes (every field gpu_status returns).
+
+        A release passes what it knows instead of setting the engine's fields: rank_deaths ({index: [{"pid", "mib",
+        "survivors"}]}, the ranks of the jobs seen at its start that died since) and shm ((prefixes, since) to read
+        /dev/shm for residue older than since, or False: not read). None keeps the engine's own.
 
         NVML is read for every GPU, since where a holder's memory is decides
         whether stopping it frees, or hits, a GPU that is not targeted. NVML is
@@ -395,6 +406,7 @@ class Engine(object):
         /proc is read, so a process that starts in between is not taken for a
         contradiction of NVML.
         """
+        self._given(rank_deaths, shm)
         self._minor_cache, self._folders = {}, {}
         views = self._nvml_views()
         # GPUs described by NVML but whose calls failed are unknown too (their minor is known)

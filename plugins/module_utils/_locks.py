@@ -26,7 +26,7 @@ import subprocess
 import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
-from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils import _where as where
 
 OPEN_TIMEOUT_S = 5.0    # the helper's start, walk and opens (a hung mount shows here)
 ANSWER_MARGIN_S = 1.0   # past the lock wait, for the helper's answer
@@ -354,7 +354,7 @@ class ContainerLocks(object):
         self.by_vmid = {}
         self.skipped = {}
         self.waited_s = node_locks.waited_s
-        inits = node.container_inits(proc_root)
+        inits = where.container_inits(proc_root)
         try:
             for vmid in sorted(scope.containers, key=int):
                 if inits.get(vmid) is not None:   # not running: nothing in it can release
@@ -368,7 +368,7 @@ class ContainerLocks(object):
         started = time.monotonic()
         locks = None
         try:
-            uid, gid = node.owner_of(init, proc_root)
+            uid, gid = where.owner_of(init, proc_root)
             locks = HelperLocks("%s/%d/root" % (proc_root, init), LOCK_DIR.strip("/").split("/"), uid, gid, held)
             opening = OPEN_TIMEOUT_S if self.deadline is None else max(0.0, min(OPEN_TIMEOUT_S, self.deadline - started))
             locks.acquire(keys, timeout, opening)

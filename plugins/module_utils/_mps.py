@@ -93,15 +93,19 @@ def _bound(timeout, deadline):
     return timeout if deadline is None else min(timeout, deadline - time.monotonic())
 
 
-def _asked(control, command, timeout=ASK_TIMEOUT_S, deadline=None):
-    """(state, text) of one command to a control daemon: state ok, failed or timeout. It is given timeout seconds,
-    never past deadline (a time.monotonic() value); with no time left it is not asked (failed, and the text says so)."""
+READ_QUERIES = ("get_server_list", "get_client_list")   # what this file asks: they change nothing
+
+
+def prepared(control, command, timeout=ASK_TIMEOUT_S, deadline=None):
+    """((argv, env, bound), None) that asks control's daemon command within timeout, never past deadline (a
+    time.monotonic() value); (None, why) when it is not to be asked: no time left, or no tool to ask with. Builds
+    the call only: a command that changes state (terminate_client) is run by the act layer (_rungs)."""
     bound = _bound(timeout, deadline)
     if bound <= 0:
-        return "failed", "control daemon pid %d was not asked %r: no time was left before the overall timeout" % (
+        return None, "control daemon pid %d was not asked %r: no time was left before the overall timeout" % (
             control["pid"], command)
     if control["binary"] is None:
-        return "failed", "%s not found (%s)" % (CONTROL, ", ".join(BIN_DIRS))
+        return None, "%s not found (%s)" % (CONTROL, ", ".join(BIN_DIRS))
     pipe = control["env"].get("CUDA_MPS_PIPE_DIRECTORY") or DEFAULT_PIPE_DIR
     settings = {"CUDA_MPS_PIPE_DIRECTORY": pipe}
     if control["env"].get("CUDA_MPS_LOG_DIRECTORY"):
@@ -111,8 +115,13 @@ def _asked(control, command, timeout=ASK_TIMEOUT_S, deadline=None):
     if control.get("vmid"):
         argv = ["lxc-attach", "-n", str(control["vmid"]), "--clear-env", "--set-var", "PATH=" + CONTAINER_PATH] + [
             a for key, value in sorted(settings.items()) for a in ("--set-var", "%s=%s" % (key, value))] + ["--"] + argv
+    return (argv, env, bound), None
+
+
+def answer(control, command, bound, run):
+    """(state, text) of run() (a bounded run of prepared's argv: (returncode, output)): ok, failed or timeout."""
     try:
-        returncode, out = helperproc.run_bounded(argv, bound, env=env)
+        returncode, out = run()
     except subprocess.TimeoutExpired:
         return "timeout", "control daemon pid %d did not answer %r within %.1fs" % (control["pid"], command, bound)
     except OSError as exc:
@@ -120,8 +129,21 @@ def _asked(control, command, timeout=ASK_TIMEOUT_S, deadline=None):
     return ("ok" if returncode == 0 else "failed"), " ".join(out.split())
 
 
+def _asked(control, command, timeout=ASK_TIMEOUT_S, deadline=None):
+    """(state, text) of one read-only query (READ_QUERIES) to a control daemon: state ok, failed or timeout. It is
+    given timeout seconds, never past deadline; with no time left it is not asked (failed, and the text says so)."""
+    if command.split()[0] not in READ_QUERIES:
+        return "failed", "%r is not a read-only query of the MPS control daemon (%s): not asked here" % (
+            command, ", ".join(READ_QUERIES))
+    call, why = prepared(control, command, timeout, deadline)
+    if call is None:
+        return "failed", why
+    argv, env, bound = call
+    return answer(control, command, bound, lambda: helperproc.run_bounded(argv, bound, env=env))
+
+
 def ask(control, command, timeout=ASK_TIMEOUT_S, deadline=None):
-    """(ok, text) of one command to a control daemon, within timeout and never past deadline (see _asked)."""
+    """(ok, text) of one read-only query to a control daemon, within timeout and never past deadline (see _asked)."""
     state, text = _asked(control, command, timeout, deadline)
     return state == "ok", text or "no output"
 

@@ -244,5 +244,5 @@ class ReleaseOptions(object):
         return type(self)(**values)
 
     def as_dict(self):
-        """{option: value}: the dict _release.release() takes today."""
+        """{option: value}."""
         return dict((name, getattr(self, name)) for name in self.__slots__)

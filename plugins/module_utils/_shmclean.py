@@ -145,3 +145,17 @@ def _remove_in_time(engine, place, entries, since):
     if left_s <= 0:
         return [], [(e, "not removed: the task's timeout was reached") for e in entries]
     return remove(place, entries, since, left_s)
+
+
+def outcome_words(found, removed, left, skipped, check_mode):
+    """What clean() did, as the words a release's message gets ("" when nothing)."""
+    msg = ""
+    if skipped:
+        msg += "; /dev/shm not cleaned in %s" % "; ".join(
+            "%s: %s" % ("this host" if e["vmid"] is None else "container %d" % e["vmid"], e["why"]) for e in skipped)
+    if check_mode and found:
+        msg += "; %d shared-memory residue files would be removed" % len(found)
+    elif removed or left:
+        msg += "; %d shared-memory residue files removed%s" % (len(removed), "" if not left else ", %d left (%s)" % (
+            len(left), "; ".join("%s: %s" % (e["path"], e["why"]) for e in left)))
+    return msg

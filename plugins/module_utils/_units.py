@@ -14,7 +14,7 @@ import shlex
 import subprocess
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
-from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils import _where as where
 from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import generic_unit, stop_set_verdict
 
@@ -36,7 +36,7 @@ def run_on_node(argv, timeout, done="done"):
 
 def stop(entry, timeout, attach="lxc-attach"):
     """Run entry's stop inside its container. {"ok", "text"}; never raises for the command's own failure."""
-    return run_on_node(node.attach_argv(entry["vmid"], entry["argv"], attach), timeout, "stopped")
+    return run_on_node(where.attach_argv(entry["vmid"], entry["argv"], attach), timeout, "stopped")
 
 
 KIND_WORDS = {"systemd": "unit", "systemd-user": "user unit", "supervisord": "supervisord program",

@@ -1008,8 +1008,7 @@ def main():
     try:
         targets = start_engine(module, engine, params["gpus"])
         opts = with_restart_backend(module, params, opts)
-        # release() takes the options as a dict until it takes the ReleaseOptions itself (issue 46, slice "cut")
-        failed, msg, result = release(engine, targets, opts.as_dict(), check_mode=module.check_mode, log=module.log,
+        failed, msg, result = release(engine, targets, opts, check_mode=module.check_mode, log=module.log,
                                       deadline=deadline, progress=progress)
     except Exception as exc:  # ReleaseTimeout (the hard stop) included; fail_json's SystemExit is no Exception
         fail_unfinished(module, exc, params, started, progress)

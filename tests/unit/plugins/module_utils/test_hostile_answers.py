@@ -14,7 +14,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
 from ansible_collections.gpuops.fleet.plugins.module_utils._locks import lock_name
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import release
+from release_opts import release
 from ansible_collections.gpuops.fleet.plugins.modules import gpu_info
 
 from fake_nvml import FakeNvml

@@ -9,11 +9,12 @@ import time
 
 import pytest
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _ladder as ladder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import release
+from release_opts import release
 
 from fake_nvml import FakeNvml
 # mounts and reader are fixtures, used by name
@@ -182,7 +183,7 @@ def test_red5_a_release_whose_container_lock_helper_dies_signals_nothing(world, 
         helpers.append(self)
         return acquire(self, *args, **kwargs)
     monkeypatch.setattr(locks_mod.HelperLocks, "acquire", recorded)
-    monkeypatch.setattr(release_mod, "send_guarded", lambda record, sig, *a, **k: sent.append((record["pid"], sig)) or "sent")
+    monkeypatch.setattr(ladder, "send_guarded", lambda record, sig, *a, **k: sent.append((record["pid"], sig)) or "sent")
     confs = dict((vmid, node.parse_pve_conf("hostname: ct%s\n" % vmid)) for vmid in ("101", "102"))
     monkeypatch.setattr(node, "read_pve_confs", lambda *a, **k: confs)
     monkeypatch.setattr(node, "container_inits", lambda *a, **k: {"101": 500, "102": 600})
@@ -191,12 +192,12 @@ def test_red5_a_release_whose_container_lock_helper_dies_signals_nothing(world, 
     engine.start()
     snapshot = engine.snapshot
 
-    def kill_then_read(targets):
+    def kill_then_read(targets, **given):
         for helper in helpers:
             if helper.alive():
                 os.kill(helper.proc.pid, signal_mod.SIGKILL)   # our own test child
                 helper.proc.wait(5)
-        return snapshot(targets)
+        return snapshot(targets, **given)
     engine.snapshot = kill_then_read
     scope = node.Scope([101], proc_root=world.proc.root)
     failed, msg, result = release(engine, [0], dict(lock_timeout=2.0, scope=scope, term_timeout=0.3, kill_timeout=0.3,

@@ -9,10 +9,11 @@ PLUGINS = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "plugins")
 PREFIX = "ansible_collections.gpuops.fleet.plugins.module_utils"
 
 LAYERS = {
-    "read": ("_helperproc", "_procread", "_procscan", "_nvml", "_nvmlhelper", "_pveconf", "_node", "_redact", "_selectors", "_access", "_mps", "_deps"),
-    "evidence": ("_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_gpu_engine"),
-    "decide": ("_decide",),
-    "act": ("_hardstop", "_respawn", "_restart", "_units", "_locks", "_shmclean", "_release"),
+    "read": ("_helperproc", "_procread", "_procscan", "_nvml", "_nvmlhelper", "_pveconf", "_node", "_redact", "_selectors", "_access", "_mps",
+             "_deps"),
+    "evidence": ("_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_gpu_engine", "_where"),
+    "decide": ("_decide", "_verdict"),
+    "act": ("_hardstop", "_respawn", "_restart", "_units", "_locks", "_shmclean", "_signals", "_rungs", "_ladder", "_release"),
     "glue": ("_params", "_outcome"),   # the modules' options and result shape: above act, beside the modules
 }
 ORDER = ("read", "evidence", "decide", "act", "glue")

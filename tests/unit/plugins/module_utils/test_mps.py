@@ -7,6 +7,7 @@ import sys
 import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
+from ansible_collections.gpuops.fleet.plugins.module_utils import _rungs as rungs
 
 TOOL = r'''#!%s
 import os, sys, time
@@ -41,7 +42,8 @@ def test_the_control_daemon_is_found_and_asked_with_its_pipe_directory(tmp_path,
         assert control["binary"] == str(tool) and control["env"]["CUDA_MPS_PIPE_DIRECTORY"] == str(pipe)
         assert control["vmid"] is None
         assert mps.listing(control) == {"control": control, "servers": {540: [488, 486]}, "why": {}, "error": None}
-        assert mps.ask(control, "terminate_client 540 486") == (True, "0")
+        assert rungs.terminate_client(control, 540, 486) == (True, "0")
+        assert mps.ask(control, "terminate_client 540 486")[0] is False   # below act: read-only queries only
         assert (pipe / "commands").read_text().splitlines() == [
             "get_server_list", "get_client_list 540", "terminate_client 540 486"]
     finally:

@@ -12,9 +12,12 @@ import time
 
 import pytest
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _ladder as ladder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
+from ansible_collections.gpuops.fleet.plugins.module_utils import _rungs as rungs
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _release as release_mod
+from release_opts import release
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import decide
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
@@ -148,8 +151,8 @@ def test_m2_a_release_of_gpu_0_terminates_its_client_and_leaves_the_server(proc,
     own_namespaces(proc, 299)
     fake = NoMpsList(mps_world(proc))
     sent = []
-    monkeypatch.setattr(release_mod, "send_guarded", fake_signals(proc, fake, sent))
-    failed, msg, result = release_mod.release(engine_for(proc, fake), [0], OPTS, lock_dir=str(tmp_path / "locks"),
+    monkeypatch.setattr(ladder, "send_guarded", fake_signals(proc, fake, sent))
+    failed, msg, result = release(engine_for(proc, fake), [0], OPTS, lock_dir=str(tmp_path / "locks"),
                                               deadline=time.monotonic() + 30)
     assert failed and msg.startswith("GPU 0 not free after the ladder"), msg
     assert [pid for pid, dummy in sent] == [301]
@@ -220,7 +223,7 @@ def test_an_ask_is_capped_by_the_deadline_and_not_made_with_no_time_left(proc, t
     assert took < mps.ASK_TIMEOUT_S / 2, took
     runs = []
     monkeypatch.setattr(mps.helperproc, "run_bounded", lambda *a, **k: runs.append(a) or (0, "0"))
-    ok, text = mps.ask(control, "terminate_client 300 301", deadline=time.monotonic() - 0.1)
+    ok, text = rungs.terminate_client(control, 300, 301, deadline=time.monotonic() - 0.1)
     assert not ok and runs == []
     assert text == ("control daemon pid 299 was not asked 'terminate_client 300 301': no time was left before the "
                     "overall timeout")
@@ -236,10 +239,10 @@ def test_h1_a_control_daemon_that_never_answers_ends_the_release_within_its_time
     proc.add(301, maps=ctx(0), fds=["/dev/nvidia0"], cgroup=SERVICE)
     fake = MpsList([{"minor": 0, "used_mib": 66 + 4096, "procs": [(300, 66), (301, 4096)], "mps": [(301, 4096)]}])
     sent = []
-    monkeypatch.setattr(release_mod, "send_guarded", fake_signals(proc, fake, sent))
+    monkeypatch.setattr(ladder, "send_guarded", fake_signals(proc, fake, sent))
     timeout = 3.0
     started = time.monotonic()
-    failed, msg, result = release_mod.release(engine_for(proc, fake), [0], dict(OPTS, timeout=timeout),
+    failed, msg, result = release(engine_for(proc, fake), [0], dict(OPTS, timeout=timeout),
                                               lock_dir=str(tmp_path / "locks"), deadline=started + timeout)
     took = time.monotonic() - started
     assert took < timeout + 1.0 and result["elapsed_s"] < timeout + 1.0, (took, result["elapsed_s"])

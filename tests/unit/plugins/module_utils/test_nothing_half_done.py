@@ -10,14 +10,16 @@ import signal
 
 import pytest
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _ladder as ladder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import ReleaseTimeout, release
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import ReleaseTimeout
 
 from conftest import CTL, UVM, ctx
 from fake_nvml import FakeNvml
+from release_opts import release, release_opts
 
 OPTS = dict(term_timeout=0.3, kill_timeout=0.3, verify_timeout=0.3)
 CT101 = "0::/lxc/101/ns\n"
@@ -113,8 +115,8 @@ def leaked(proc, monkeypatch, extra=None):
 
 def resetting(engine, smi, deadline=None):
     from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser
-    releaser = Releaser(engine, [0], gpu_reset=True, reset_blockers="stop_services", nvidia_smi=smi, deadline=deadline,
-                        scope=node.Scope([101], proc_root=engine.proc_root))
+    releaser = Releaser(engine, [0], release_opts(gpu_reset=True, reset_blockers="stop_services", nvidia_smi=smi,
+                                                  scope=node.Scope([101], proc_root=engine.proc_root)), deadline=deadline)
     releaser.reset_services, releaser.reset_persistence = [dict(SERVICE)], [0]
     return releaser
 
@@ -208,7 +210,7 @@ def test_backstop_runs_a_restore_still_registered(proc, monkeypatch):
     """The hard stop can land between a restore's registration and the try that runs it: the module's backstop
     (backstop_result) runs it, and names what could not be put back."""
     from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser, backstop_result
-    releaser = Releaser(leaked(proc, monkeypatch), [0])
+    releaser = Releaser(leaked(proc, monkeypatch), [0], release_opts())
     ran = []
     releaser._undo("service", "systemd a.service", "stopped", lambda: ran.append("a") or (True, "done"))
     releaser._undo("container", "container 101", "stopped", lambda: ran.append("101") or (False, "exit 1: no"))
@@ -265,8 +267,9 @@ def held_in_101(proc, monkeypatch, thread=None):
 
 def restarting(engine, backend, deadline=None):
     from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser
-    releaser = Releaser(engine, [0], container_restart=True, restart_backend=backend, deadline=deadline,
-                        container_timeout=30.0, scope=node.Scope([101], proc_root=engine.proc_root))
+    releaser = Releaser(engine, [0], release_opts(container_restart=True, restart_backend=backend,
+                                                  container_timeout=30.0,
+                                                  scope=node.Scope([101], proc_root=engine.proc_root)), deadline=deadline)
     releaser.restart_plan = [{"vmid": 101, "refusal": None}]
     return releaser
 
@@ -341,7 +344,7 @@ def rung_run(proc, monkeypatch, tmp_path, k):
     import sys
     from ansible_collections.gpuops.fleet.plugins.module_utils import _release
     from ansible_collections.gpuops.fleet.plugins.modules import gpu_release
-    monkeypatch.setattr(_release, "send_guarded", lambda *a, **k: "not sent: a unit test")
+    monkeypatch.setattr(ladder, "send_guarded", lambda *a, **k: "not sent: a unit test")
     backend = Backend()
     options = dict(term_timeout=0.0, kill_timeout=0.0, verify_timeout=0.0, container_restart=True,
                    restart_backend=backend, container_timeout=30.0, scope=node.Scope([101], proc_root=proc.root))
@@ -406,8 +409,8 @@ def test_found_units_stopped_before_the_deadline_are_recorded(proc, monkeypatch)
         releaser.deadline = time.monotonic() - 0.01     # this stop took the time that was left (no sleep: no race)
         return {"ok": True, "text": "stopped"}
     monkeypatch.setattr(units, "stop", slow_stop)
-    releaser = Releaser(held_in_101(proc, monkeypatch), [0], stop_found_units=True, deadline=time.monotonic() + 60,
-                        scope=node.Scope([101], proc_root=proc.root))
+    releaser = Releaser(held_in_101(proc, monkeypatch), [0], release_opts(stop_found_units=True,
+                                                                          scope=node.Scope([101], proc_root=proc.root)), deadline=time.monotonic() + 60)
     found = [{"vmid": 101, "kind": "systemd", "name": n, "pids": [60]} for n in ("a.service", "b.service")]
     releaser.found_units = [dict(u) for u in found]
     with pytest.raises(ReleaseTimeout, match="during the stop of systemd b.service in container 101"):

@@ -6,7 +6,7 @@ import pytest
 from ansible_collections.gpuops.fleet.plugins.module_utils import _deps as deps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _outcome as outcome
 from ansible_collections.gpuops.fleet.plugins.module_utils import _params as params_mod
-from ansible_collections.gpuops.fleet.plugins.module_utils import _release as release_mod
+from ansible_collections.gpuops.fleet.plugins.module_utils import _signals as signals_mod
 from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
 from ansible_collections.gpuops.fleet.plugins.module_utils._params import ReleaseOptions
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
@@ -123,7 +123,7 @@ def test_install_hint_names_only_what_is_missing_and_the_roles_ways():
 
 
 def test_psutil_is_declared_where_the_signals_are_sent():
-    assert deps.get("psutil").found and release_mod.psutil is not None
+    assert deps.get("psutil").found and signals_mod.psutil is not None
 
 
 def _result():

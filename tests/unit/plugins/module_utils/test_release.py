@@ -11,12 +11,13 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as p
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import (
-    GpuLocks, LockTimeout, Releaser, decide, find_nvidia_smi, release, send_guarded,
+    GpuLocks, LockTimeout, Releaser, decide, find_nvidia_smi, send_guarded,
 )
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import Protect, compile_regex
 
 from conftest import CTL, UVM, ctx, vis
 from fake_nvml import FakeNvml
+from release_opts import release, release_opts
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -118,7 +119,7 @@ def test_stray_context_is_side_effect_one_way_and_refused_the_other(proc):
         p.add(50, maps=ctx(0) + ctx(1) + vis(2) + [CTL, UVM], fds=["/dev/nvidia1"])
     engine, report = recorded(proc, gpus_with({0: [(50, 518)], 1: [(50, 5638)]}), setup)
     assert report.holders[0]["gpus"] == [0, 1] and report.holders[0]["shares_mib"] == {0: 518, 1: 5638}
-    releaser = Releaser(engine, [1])
+    releaser = Releaser(engine, [1], release_opts())
     plan = releaser.prepare(report)
     assert releaser.refusals == [] and plan[0]["side_effect_gpus"] == [{"index": 0, "mib": 518}]
     assert "frees GPU 0 (518 MiB) as a side effect" in plan[0]["note"]
@@ -402,7 +403,7 @@ def test_plan_lists_gpus_for_every_holder(proc):
         p.add(31, maps=vis(0) + ctx(1) + [CTL, UVM], fds=["/dev/nvidia1"])
     engine, report = recorded(proc, [{"minor": 0, "used_mib": 10}, {"minor": 1, "used_mib": 10, "procs": [(31, 10)]}],
                               setup)
-    plan = Releaser(engine, [0, 1]).prepare(report)
+    plan = Releaser(engine, [0, 1], release_opts()).prepare(report)
     assert [(p["pid"], p["gpus"], p["unattributed"], p["why"]) for p in plan] == [
         (30, [0, 1], True, "unpinned_all_mapped"), (31, [1], False, "pinned")]
 
@@ -664,7 +665,7 @@ class HeldByContainer(object):
     def stale_listing(self):
         return False
 
-    def snapshot(self, targets):
+    def snapshot(self, targets, **given):
         class Report(object):
             gpus = [{"index": 0, "free": False, "by_container": {"101": 1000}}]
             holders, nvml_stale, unknown_gpus = [], [], []
@@ -673,7 +674,7 @@ class HeldByContainer(object):
 
 def test_the_container_rung_reads_the_lock_again_right_before_the_restart():
     backend = StubBackend()
-    releaser = Releaser(HeldByContainer(), [0], container_restart=True, restart_backend=backend)
+    releaser = Releaser(HeldByContainer(), [0], release_opts(container_restart=True, restart_backend=backend))
     releaser.restart_plan = [{"vmid": 101, "refusal": None}]     # planned while the container was unlocked
     backend.lock = "backup"                                      # a backup started since
     releaser._restart_containers("respawned by pid 7 (sh)")
@@ -716,7 +717,7 @@ def test_a_rank_that_dies_during_the_run_charges_its_residue_to_the_survivors(pr
         p.add(81, comm="tp_rank1", maps=vis(0) + ctx(1), fds=["socket:[1002]"], netns="n", tcp=table)
     gpus = [{"minor": 0, "used_mib": 3000, "procs": [(80, 3000)]}, {"minor": 1, "used_mib": 3000, "procs": [(81, 3000)]}]
     engine, report = recorded(proc, gpus, setup)
-    releaser = Releaser(engine, [1])
+    releaser = Releaser(engine, [1], release_opts())
     releaser.prepare(report)
     assert releaser.refusals        # part of a job: refused before any signal
     shutil.rmtree(os.path.join(proc.root, "81"))     # rank 1 dies; its peer keeps 291 MiB on GPU 1 (row 19)
@@ -762,7 +763,7 @@ def test_a_reset_gpu_that_does_not_come_back_is_not_free_though_its_index_now_na
 
 def test_a_target_found_again_at_another_index_is_read_there(proc):
     fake, engine = idle_pair(proc, 0)
-    releaser = Releaser(engine, [1])
+    releaser = Releaser(engine, [1], release_opts())
     fake.gpus.reverse()                      # after a re-init, NVML lists the targeted GPU first
     fake.gpus[0]["used_mib"] = 2048
     engine.nvml.init()

@@ -17,7 +17,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as p
 from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import release
+from release_opts import release
 
 from fake_nvml import FakeNvml
 

@@ -15,12 +15,13 @@ import pytest
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
-from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser, release
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import Releaser
 from ansible_collections.gpuops.fleet.plugins.module_utils._respawn import RespawnWatch
 
 from conftest import CTL, UVM, ctx, vis
 from test_hostile_names import environ, node_namespaces, tool
 from test_nothing_half_done import Backend, conf, node_engine
+from release_opts import release, release_opts
 
 OPTS = dict(term_timeout=0.3, kill_timeout=0.3, verify_timeout=0.3)
 NS = "0::/lxc/101/ns"
@@ -265,8 +266,8 @@ def test_c2_a_job_started_on_an_untargeted_gpu_since_the_plan_refuses_the_restar
     gpus = [{"minor": 0, "used_mib": 20000, "procs": [(170, 20000)]}, {"minor": 1, "used_mib": 0, "procs": []}]
     engine = node_engine(proc, gpus, monkeypatch, {"101": conf([0, 1])})
     backend = Backend()
-    releaser = Releaser(engine, [0], container_restart=True, restart_backend=backend, container_timeout=30.0,
-                        scope=node.Scope([101], proc_root=proc.root))
+    releaser = Releaser(engine, [0], release_opts(container_restart=True, restart_backend=backend,
+                                                  container_timeout=30.0, scope=node.Scope([101], proc_root=proc.root)))
     releaser.prepare(releaser.snapshot())
     assert releaser.refusals == [] and [e["vmid"] for e in releaser.restart_plan] == [101]
     held(proc, 172, 100, NS + "\n", 1, sees=[0], argv=["python3", "new_job.py"])      # the hook: a new 30 GiB job
@@ -292,8 +293,9 @@ def test_c3_another_program_that_only_sees_the_target_is_no_respawn_and_no_resta
     # a respawn flagged anyway (or by an older rule): no restart while GPU 0 is free
     gpus = [{"minor": 0, "used_mib": 0, "procs": []}, {"minor": 1, "used_mib": 30000, "procs": [(114, 30000)]}]
     backend = Backend()
-    releaser = Releaser(node_engine(proc, gpus, monkeypatch, {"101": conf([0, 1])}), [0], container_restart=True,
-                        restart_backend=backend, scope=node.Scope([101], proc_root=proc.root))
+    releaser = Releaser(node_engine(proc, gpus, monkeypatch, {"101": conf([0, 1])}), [0], release_opts(container_restart=True,
+                                                                                                       restart_backend=backend,
+                                                                                                       scope=node.Scope([101], proc_root=proc.root)))
     releaser.restart_plan = [{"vmid": 101, "refusal": None}]
     releaser.respawned = {"pid": 114, "parent_pid": 110}
     releaser.failure = "respawned by pid 110 (supervisord)"

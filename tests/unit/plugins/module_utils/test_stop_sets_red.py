@@ -9,6 +9,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._respawn import Respa
 
 from test_hostile_names import environ
 from test_stop_sets import DOCKER_ID, KILL, NS, SUPERVISOR, check, container, held, the_set
+from release_opts import release_opts
 
 OTHER_ID = "7e" + "2" * 60 + "cd"
 USER_APP = NS + "/user.slice/user-1000.slice/user@1000.service/app.slice"
@@ -192,8 +193,8 @@ def test_r9_a_reused_planned_pid_gets_no_context_tolerance_right_before_the_rest
     gpus = [{"minor": 0, "used_mib": 20000, "procs": [(170, 10000), (175, 10000)]}, {"minor": 1, "used_mib": 0, "procs": []}]
     engine = node_engine(proc, gpus, monkeypatch, {"101": conf([0, 1])})
     backend = Backend()
-    releaser = Releaser(engine, [0], container_restart=True, restart_backend=backend, container_timeout=30.0,
-                        scope=node.Scope([101], proc_root=proc.root))
+    releaser = Releaser(engine, [0], release_opts(container_restart=True, restart_backend=backend,
+                                                  container_timeout=30.0, scope=node.Scope([101], proc_root=proc.root)))
     releaser.prepare(releaser.snapshot())
     assert releaser.refusals == [] and {r["pid"] for r in releaser.to_signal} == {170, 175}
     shutil.rmtree(os.path.join(proc.root, "170"))     # 170 died in the ladder; its pid now names a new 600 MiB job

@@ -7,6 +7,7 @@ import threading
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
 from ansible_collections.gpuops.fleet.plugins.module_utils import _units as units
+from release_opts import release_opts
 
 
 def holder(pid, cgroup, container="101"):
@@ -104,7 +105,7 @@ def _stops(monkeypatch, concurrency, meet=None):
         return {"ok": True, "text": "stopped"}
 
     monkeypatch.setattr(units, "stop", stop)
-    releaser = release.Releaser(_Engine(), [], stop_concurrency=concurrency)
+    releaser = release.Releaser(_Engine(), [], release_opts(stop_concurrency=concurrency))
     releaser.found_units = [dict((k, v) for k, v in u.items() if k != "argv") for u in found]
     releaser.stop_units(found)
     return releaser, calls, state["most"]

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import decide
 from ansible_collections.gpuops.fleet.plugins.module_utils._jobs import group_jobs, signatures
+from release_opts import release_opts
 
 WORLDS = int(os.environ.get("GPUOPS_WORLDS", "2000"))
 # two_lines: a driver whose contexts map 2 lines, as a merely visible GPU does on driver 580
@@ -247,7 +248,7 @@ def test_free_is_only_read_from_every_targeted_uuid_after_any_reinit(seed):
     engine.start()
     targets = sorted(rng.sample(range(len(gpus)), rng.randint(1, len(gpus))))
     wanted = [fake.nvmlDeviceGetUUID(i) for i in targets]
-    releaser = Releaser(engine, targets)
+    releaser = Releaser(engine, targets, release_opts())
     try:
         for dummy in range(rng.randint(1, 6)):
             step = rng.random()

@@ -53,6 +53,7 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._release import Relea
 
 from conftest import CTL, UVM, ProcTree, ctx, vis
 from fake_nvml import FakeNvml
+from release_opts import release_opts
 
 WORLDS = int(os.environ.get("GPUOPS_WORLDS", "2000"))
 SEEDS = st.integers(0, 2 ** 32 - 1)
@@ -563,8 +564,10 @@ def check_report(world, engine, report, root):
     for targets in target_sets(world.gpus):
         for collateral in ("refuse", "stop"):
             why = "targets %s, collateral %s" % (targets, collateral)
-            releaser = Releaser(engine, targets, collateral=collateral, collateral_tolerance_mib=TOLERANCE,
-                                scope=node.Scope([int(VMID)], proc_root=root), stop_found_units=True)
+            releaser = Releaser(engine, targets, release_opts(collateral=collateral,
+                                                              collateral_tolerance_mib=TOLERANCE,
+                                                              scope=node.Scope([int(VMID)], proc_root=root),
+                                                              stop_found_units=True))
             releaser.prepare(report)
             allowed = releaser.find_units(report)
             planned = set(r["pid"] for r in releaser.to_signal)

@@ -4,6 +4,7 @@ import importlib
 import pytest
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _deps as deps
+from ansible_collections.gpuops.fleet.plugins.module_utils import _nvml as nvml_mod
 from ansible_collections.gpuops.fleet.plugins.module_utils import _outcome as outcome
 from ansible_collections.gpuops.fleet.plugins.module_utils import _params as params_mod
 from ansible_collections.gpuops.fleet.plugins.module_utils import _signals as signals_mod
@@ -95,6 +96,7 @@ def test_a_declared_import_that_fails_is_recorded_not_raised():
     assert not dep.found and isinstance(dep.error, ImportError)
     assert deps.missing(["psutil", "gpuops-no-such-lib"]) is dep
     assert deps.declare("gpuops-no-such-lib") is dep, "declared once"
+    assert signals_mod.psutil is not None and nvml_mod.pynvml is not None
     assert deps.missing(["psutil", "nvidia-ml-py"]) is None, "this venv has both, declared where they are imported"
     assert deps.missing(["never-declared"]).package == "never-declared"
 

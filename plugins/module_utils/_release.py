@@ -746,7 +746,7 @@ class Releaser(object):
         keep = set(r["pid"] for r in decision.to_signal)
         out = []
         for record in survivors:
-            if record["pid"] in keep or record.get("_why") == "job_member":
+            if record["pid"] in keep or [e for e in self.plan if e["pid"] == record["pid"] and e["why"] == "job_member"]:
                 out.append(record)
             else:
                 self._record(record, "SIGKILL", "not sent: it no longer holds a targeted GPU")

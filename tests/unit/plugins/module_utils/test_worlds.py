@@ -149,7 +149,7 @@ def target_sets(world):
 
 
 def summary(decision):
-    return (sorted((r["pid"], r["_why"]) for r in decision.to_signal), sorted(s["pid"] for s in decision.skipped),
+    return (sorted((r["pid"], why) for r, why in decision.chosen), sorted(s["pid"] for s in decision.skipped),
             sorted(decision.refusals))
 
 
@@ -164,12 +164,12 @@ def test_no_plan_signals_a_process_that_truly_holds_no_targeted_gpu(seed):
     for targets in target_sets(world):
         for collateral in ("refuse", "stop"):
             decision = decide(report, targets, [g for g in all_indexes if g not in world["lost"]], collateral=collateral)
-            for record in decision.to_signal:
+            for record, why in decision.chosen:
                 holds = truth[record["pid"]] & targets
                 if collateral == "refuse":       # invariants 1 and 2
-                    assert holds, (record["pid"], record["_why"], sorted(targets), world)
+                    assert holds, (record["pid"], why, sorted(targets), world)
                 elif not holds:                  # only as a member of a true job that holds a target
-                    assert record["_why"] == "job_member" and record["pid"] in world["job"], (record, world)
+                    assert why == "job_member" and record["pid"] in world["job"], (record, world)
                     assert any(truth[m] & targets for m in world["job"]), world
             # each refusal names the processes it is about (a node-side release leaves their containers out), and
             # one of them is among the holders the refusal concerns

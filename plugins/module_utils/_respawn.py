@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import re
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _jobs as jobs
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
@@ -158,7 +159,7 @@ class RespawnWatch(object):
         return not init
 
     def live_parents(self):
-        return [p for p in self.parents.values() if procscan.same_process(p["pid"], p["starttime"], self.proc_root)]
+        return [p for p in self.parents.values() if holder.same_process((p["pid"], p["starttime"]), self.proc_root)]
 
     def _new_processes(self):
         """{pid: stat} of the processes started since the kill that this release did not know.
@@ -185,28 +186,33 @@ class RespawnWatch(object):
         for dummy in range(CHAIN_MAX):
             ppid = new[current]["ppid"]
             parent = self.parents.get(ppid)
-            if parent is not None and procscan.same_process(ppid, parent["starttime"], self.proc_root):
+            if parent is not None and holder.same_process((ppid, parent["starttime"]), self.proc_root):
                 return parent
             if ppid not in new:
                 return None
             current = ppid
         return None
 
-    def _context_on_target(self, pid):
-        """True when pid maps a targeted GPU with a context's signature (CONTEXT_MAP_LINES lines, row 12): a GPU it
-        only sees (2 lines, row 9) is not one."""
+    def _contexts_on_targets(self, pid):
+        """The targeted GPU minors where pid maps a context's signature (CONTEXT_MAP_LINES lines, row 12): a GPU it
+        only sees (2 lines, row 9) is none. None stands for a targeted GPU that cannot be described."""
         try:
             maps = procscan.read_bytes("%s/%d/maps" % (self.proc_root, pid))
         except OSError:
-            return False
+            return []
         root = "%s/%d/root" % (self.proc_root, pid)
+        out = set()
         for path, lines in procscan.parse_maps_counts(maps, self.devices).items():
             kind = self.devices.classify(path)
             if not kind or kind[0] != "gpu" or lines < pinning.CONTEXT_MAP_LINES:
                 continue
-            if None in self.target_minors or procscan.gpu_minor(path, self.devices, root) in self.target_minors:
-                return True
-        return False
+            if None in self.target_minors:
+                out.add(None)
+                continue
+            minor = procscan.gpu_minor(path, self.devices, root)
+            if minor in self.target_minors:
+                out.add(minor)
+        return sorted(out, key=lambda m: -1 if m is None else m)
 
     def _same_program(self, pid):
         return bool(identity(pid, self.proc_root) & self.identities)
@@ -237,10 +243,11 @@ class RespawnWatch(object):
                 continue
             if parent["unit"] and self._cgroup(pid) != parent["cgroup"]:
                 continue  # an init's new child of another unit
-            if self._context_on_target(pid):
+            contexts = self._contexts_on_targets(pid)
+            if contexts:
                 if named is None:
                     named = set(nvml_named()) if nvml_named is not None else None
-                if (named is None or pid in named) and procscan.same_process(pid, stat["starttime"], self.proc_root):
+                if held_targets(pid, contexts, named) and holder.same_process((pid, stat["starttime"]), self.proc_root):
                     return self._found(pid, stat, parent, "%s, holding a targeted GPU (a context mapped%s)" % (
                         "the same program as a killed holder" if self._same_program(pid) else "started under it after "
                         "the kill", "" if named is None else ", named by NVML"))
@@ -261,10 +268,19 @@ class RespawnWatch(object):
         if self.found is not None:
             return self.found
         for pid, (stat, parent) in sorted(self.pending.items()):
-            if self._same_program(pid) and procscan.same_process(pid, stat["starttime"], self.proc_root):
+            if self._same_program(pid) and holder.same_process((pid, stat["starttime"]), self.proc_root):
                 return self._found(pid, stat, parent, "the same program as a killed %s started again, still "
                                    "starting (no GPU mapped yet)" % stat["comm"])
         return None
+
+
+def held_targets(pid, contexts, named):
+    """The targeted GPUs (minors) a new process holds by the watch's evidence: a respawn is a trigger to act, so it
+    asks holds, never the upper bound (a GPU it only sees, or maps, is no respawn). contexts: the targeted minors
+    where it maps a context; named: the pids NVML names on the targeted GPUs (None: not asked). The watch reads no
+    orphaned memory: a process NVML does not name holds nothing here."""
+    evidence = {"pid": pid, "gpus": list(contexts) if named is None or pid in named else []}
+    return [m for m in contexts if holder.holds(evidence, m)]
 
 
 def respawn_message(found):

@@ -18,6 +18,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
+from ansible_collections.gpuops.fleet.plugins.module_utils._blockers import plan as reset_plan
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import (
     decide, plan_entry, reset_blockers, set_collateral, stop_set_verdict,
 )
@@ -307,6 +308,7 @@ def frozen_steps(world):
                for g in sorted(world["lost"])]
     report = Evidence(holders, jobs, residue, unknown)
     report.clients, report.unreadable = [], []
+    report.gpus = [{"index": g, "minor": g} for g in range(world["gpus"]) if g not in world["lost"]]
     return report, views, orphans
 
 
@@ -324,8 +326,8 @@ def _status_holders(report, views, orphans, index):
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(SEEDS)
 def test_status_release_the_restart_rung_the_reset_guard_and_the_respawn_watch_agree(seed):
-    """Per (pid, GPU): status, decide and the respawn watch answer holds; the reset guard, the restart rung's
-    collateral and decide's unpinned choice answer may_hold. Each is the real code path, compared with the
+    """Per (pid, GPU): status, decide and the respawn watch answer holds; the reset guard (decide's and the reset's
+    blockers plan), the restart rung's collateral and decide's unpinned choice answer may_hold. Each is the real code path, compared with the
     Holder's own predicate."""
     world = make_world(seed)
     report, views, orphans = frozen_steps(world)
@@ -347,8 +349,11 @@ def test_status_release_the_restart_rung_the_reset_guard_and_the_respawn_watch_a
         for h, why in decision.chosen:
             if why == "unpinned_all_mapped":
                 assert [t for t in known if h.may_hold(t)] == [g], (h["pid"], g, world)
-        # the reset guard and the restart rung's collateral: the upper bound
+        # the reset guard (the ladder's refusal, and the reset's blockers plan) and the restart rung's collateral:
+        # the upper bound
         assert set(b["pid"] for b in reset_blockers(report, {"index": g, "minor": g, "blocked": ()})) == may, world
+        blockers, dummy = reset_plan(report, [g], {}, "refuse", [{"index": i} for i in known])
+        assert set(int(b["what"].split()[1]) for b in blockers if b["kind"] == "user_holder") == may, (g, world)
         assert set(p for p, i in restart_may if i == g) == may, (g, world)
         # the respawn watch (its contexts on the target, NVML's names there): holds, wherever NVML names the
         # process; it reads no orphaned memory, so it never sees more than holds

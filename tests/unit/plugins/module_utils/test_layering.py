@@ -10,7 +10,7 @@ PREFIX = "ansible_collections.gpuops.fleet.plugins.module_utils"
 
 LAYERS = {
     "read": ("_helperproc", "_procscan", "_nvml", "_pveconf", "_node", "_redact", "_selectors", "_access", "_mps", "_procnames"),
-    "evidence": ("_holder", "_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_shmplaces", "_report", "_diagnose", "_gpu_engine"),
+    "evidence": ("_holder", "_lineage", "_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_shmplaces", "_report", "_diagnose", "_gpu_engine"),
     "decide": ("_decide",),
     "act": ("_hardstop", "_respawn", "_restart", "_units", "_locks", "_shmclean", "_release"),
 }

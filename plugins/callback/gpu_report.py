@@ -80,13 +80,13 @@ import re
 from ansible.module_utils.common.text.converters import to_bytes, to_native
 from ansible.plugins.callback import CallbackBase
 
+from ansible_collections.gpuops.fleet.plugins.module_utils._release import RUNGS   # the module's ladder, in its order
 from ansible_collections.gpuops.fleet.plugins.plugin_utils._safe_file import replace_file
 
 STATUS_ACTIONS = ("gpuops.fleet.gpu_info", "gpu_info", "gpuops.fleet.gpu_info", "gpu_status")   # the old name redirects
 RELEASE_ACTIONS = ("gpuops.fleet.gpu_release", "gpu_release")
 NODE_VARS = ("proxmox_node", "lab_node", "ansible_host")
 CONTAINER_VARS = ("ansible_pct_vmid", "pct_vmid", "proxmox_vmid", "vmid")
-RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "container_restart", "reset")
 COLUMNS = (("node", "NODE"), ("container", "CT"), ("host", "HOST"), ("gpu_index", "GPU"), ("gpu_uuid", "UUID"),
            ("before_mib", "BEFORE MiB"), ("after_mib", "AFTER MiB"), ("rung", "RUNG"), ("verdict", "VERDICT"),
            ("reason", "REASON"), ("actions", "STOPPED / SIGNALLED"))

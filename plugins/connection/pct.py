@@ -618,6 +618,104 @@ def colliding_facts(facts: t.Mapping[str, t.Any] | None, names: t.Iterable[str])
     return pairs
 
 
+class _Pump:
+    """ssh's pipes during a put or fetch: local_file copied to its stdin (put), or its stdout to local_file (fetch),
+    CHUNK at a time, its stderr kept; write_error is what writing local_file raised (the copy stops there)."""
+
+    def __init__(self, proc: subprocess.Popen, local_file: t.BinaryIO, direction: str) -> None:
+        self.proc, self.local_file, self.direction = proc, local_file, direction
+        self.stderr = bytearray()
+        self.pending = b''
+        self.write_error: OSError | None = None
+        self.stdout_open = True
+        self.rc: int | None = None
+        self.selector = selectors.DefaultSelector()
+        for stream in (proc.stdout, proc.stderr):
+            os.set_blocking(stream.fileno(), False)
+            self.selector.register(stream, selectors.EVENT_READ)
+        if direction == 'put':
+            os.set_blocking(proc.stdin.fileno(), False)
+            self.selector.register(proc.stdin, selectors.EVENT_WRITE)
+
+    def run(self) -> None:
+        """Copy until ssh has closed its pipes (or has exited with stdout closed), or writing local_file failed."""
+        while self.selector.get_map() and self.write_error is None:
+            for key, dummy in self.selector.select(1.0):
+                if key.fileobj is self.proc.stdin:
+                    self._feed()
+                elif not self._read(key):
+                    break
+            # A new ControlPersist master inherits stderr and keeps it open: stop once ssh is gone.
+            if not self.stdout_open and self.proc.poll() is not None:
+                break
+
+    def _stop_feeding(self) -> None:
+        self.selector.unregister(self.proc.stdin)
+        self.proc.stdin.close()
+
+    def _feed(self) -> None:
+        """Write the next piece of local_file to ssh's stdin; close it at the file's end, or when ssh closed it."""
+        if not self.pending:
+            self.pending = self.local_file.read(CHUNK)
+        if not self.pending:
+            self._stop_feeding()
+            return
+        try:
+            written = os.write(self.proc.stdin.fileno(), self.pending)
+        except BlockingIOError:
+            return
+        except BrokenPipeError:
+            self._stop_feeding()
+            return
+        self.pending = self.pending[written:]
+
+    def _read(self, key: selectors.SelectorKey) -> bool:
+        """Take what ssh wrote on stdout or stderr; False when writing it to local_file failed (write_error)."""
+        try:
+            data = os.read(key.fd, CHUNK)
+        except BlockingIOError:
+            return True
+        if not data:
+            self.selector.unregister(key.fileobj)
+            if key.fileobj is self.proc.stdout:
+                self.stdout_open = False
+        elif key.fileobj is self.proc.stderr:
+            self.stderr += data
+        elif self.direction == 'fetch':
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(self.local_file.fileno(), view):]
+            except OSError as ex:
+                self.write_error = ex
+                return False
+        return True
+
+    def close(self, finished: bool) -> None:
+        """Kill ssh unless the copy finished (a write that failed, or an exception: ssh must not block on a pipe
+        nobody reads), wait for it (rc), keep the rest of its stderr, close its pipes."""
+        self.selector.close()
+        proc = self.proc
+        if not finished and proc.poll() is None:
+            proc.kill()
+        if proc.stdin and not proc.stdin.closed:
+            try:
+                proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        self.rc = proc.wait()
+        try:
+            while True:
+                data = os.read(proc.stderr.fileno(), CHUNK)
+                if not data:
+                    break
+                self.stderr += data
+        except BlockingIOError:
+            pass
+        proc.stdout.close()
+        proc.stderr.close()
+
+
 class _SSHFailed(AnsibleConnectionFailure):
     """SSH did not run the node command: retried per reconnection_retries."""
 
@@ -1062,6 +1160,19 @@ class Connection(SSHConnection):
         so that it never blocks on a full pipe while this waits for it).
         """
         display.vvv('SSH: STREAM %s' % ' '.join(shlex.quote(to_text(c)) for c in cmd), host=self.host)
+        proc = self._spawn_ssh(cmd, direction)
+        pump = _Pump(proc, local_file, direction)
+        finished = False
+        try:
+            pump.run()
+            finished = pump.write_error is None
+        finally:
+            pump.close(finished)
+            self._cleanup_shm()
+        return pump.rc, bytes(pump.stderr), pump.write_error
+
+    def _spawn_ssh(self, cmd: list[bytes], direction: str) -> subprocess.Popen:
+        """ssh started with pipes (stdin only for a put), the password handed to sshpass when there is one."""
         # ansible-core 2.19 hands a password to ssh through shared memory (_init_shm); 2.16-2.18 only through sshpass
         popen_kwargs = self._init_shm() if hasattr(self, '_init_shm') else {}
         if getattr(self, 'sshpass_pipe', None):   # set by _build_command from 2.19; absent before a password on 2.16-2.18
@@ -1081,84 +1192,7 @@ class Connection(SSHConnection):
                 pass
             os.close(self.sshpass_pipe[1])
             self.sshpass_pipe = None
-
-        stderr = bytearray()
-        pending = b''
-        write_error = None
-        finished = False
-        selector = selectors.DefaultSelector()
-        for stream in (proc.stdout, proc.stderr):
-            os.set_blocking(stream.fileno(), False)
-            selector.register(stream, selectors.EVENT_READ)
-        if direction == 'put':
-            os.set_blocking(proc.stdin.fileno(), False)
-            selector.register(proc.stdin, selectors.EVENT_WRITE)
-        stdout_open = True
-        try:
-            while selector.get_map() and write_error is None:
-                for key, dummy in selector.select(1.0):
-                    if key.fileobj is proc.stdin:
-                        if not pending:
-                            pending = local_file.read(CHUNK)
-                        if not pending:
-                            selector.unregister(proc.stdin)
-                            proc.stdin.close()
-                            continue
-                        try:
-                            written = os.write(proc.stdin.fileno(), pending)
-                        except BlockingIOError:
-                            continue
-                        except BrokenPipeError:
-                            selector.unregister(proc.stdin)
-                            proc.stdin.close()
-                            continue
-                        pending = pending[written:]
-                        continue
-                    try:
-                        data = os.read(key.fd, CHUNK)
-                    except BlockingIOError:
-                        continue
-                    if not data:
-                        selector.unregister(key.fileobj)
-                        if key.fileobj is proc.stdout:
-                            stdout_open = False
-                        continue
-                    if key.fileobj is proc.stderr:
-                        stderr += data
-                    elif direction == 'fetch':
-                        try:
-                            view = memoryview(data)
-                            while view:
-                                view = view[os.write(local_file.fileno(), view):]
-                        except OSError as ex:
-                            write_error = ex
-                            break
-                # A new ControlPersist master inherits stderr and keeps it open: stop once ssh is gone.
-                if not stdout_open and proc.poll() is not None:
-                    break
-            finished = write_error is None
-        finally:
-            selector.close()
-            if not finished and proc.poll() is None:
-                proc.kill()  # a write that failed, or an exception: ssh must not block on a pipe nobody reads
-            if proc.stdin and not proc.stdin.closed:
-                try:
-                    proc.stdin.close()
-                except BrokenPipeError:
-                    pass
-            rc = proc.wait()
-            try:
-                while True:
-                    data = os.read(proc.stderr.fileno(), CHUNK)
-                    if not data:
-                        break
-                    stderr += data
-            except BlockingIOError:
-                pass
-            proc.stdout.close()
-            proc.stderr.close()
-            self._cleanup_shm()
-        return rc, bytes(stderr), write_error
+        return proc
 
     def _cleanup_shm(self) -> None:
         """Drop the shared memory that handed the password to ssh's askpass helper."""

@@ -37,10 +37,10 @@ notes:
 seealso:
   - name: GPU_FACTS
     description: What a real H200 does when its processes die; the facts these modules are built on.
-    link: https://github.com/gpuops/fleet/blob/main/docs/design.md
+    link: https://github.com/gpuops/fleet/blob/main/docs/GPU_FACTS.md
 """
 
-    # How GPUs are read (argument_spec: _gpu_engine.GPU_READ_ARGS): gpu_info's top-level options;
+    # How GPUs are read (argument_spec: _params.READ_ARGS): gpu_info's top-level options;
     # gpu_release documents the same ones under its advanced option.
     READING = r"""
 options:

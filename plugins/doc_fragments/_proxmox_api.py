@@ -8,8 +8,12 @@ from __future__ import annotations
 class ModuleDocFragment(object):
 
     # The Proxmox API credentials, named as community.proxmox names them, with the same PROXMOX_* fallbacks
-    # (argument_spec: _restart.API_ARGS)
+    # (argument_spec: _params.API_ARGS)
     DOCUMENTATION = r"""
+requirements:
+  - proxmoxer and requests (on the Proxmox node that runs the task, only when O(api_host) is set; without it the
+    container rung uses C(pct) and needs neither). The inventory plugin gpuops.fleet.proxmox_gpu needs them on the
+    controller.
 options:
   api_host:
     description:

@@ -34,26 +34,7 @@ def plan(report, targets, readings, mode, all_gpus):
         if refused:
             refusals.append("%s: %s" % (what, refused))
 
-    daemon_pids = set()
-    for record in list(report.holders) + list(report.clients) + list(getattr(report, "protected_holders", [])):
-        name = record.get("protected_name")
-        if name in DAEMONS and record["pid"] not in daemon_pids:
-            daemon_pids.add(record["pid"])
-            service = readings.get("services", {}).get(record["pid"])
-            what = "pid %d (%s), a daemon that serves every GPU of the node: %s" % (record["pid"], name, _gpu_words(every))
-            on = [g["index"] for g in every]
-            if service is None:
-                add("daemon", what, on, "refused", "not under systemd or supervisord here as a service of the node's root "
-                    "(a system unit, or a root supervisord's program, its tool in a system folder), so it cannot be "
-                    "stopped and started again through its service manager; stop it yourself")
-            elif service.get("refused"):
-                add("daemon", what, on, "refused", "%s: stopping it would stop every program that unit runs, and "
-                    "starting it again would run them again (B3); stop the daemon yourself" % service["refused"])
-            elif mode == "stop_services":
-                add("daemon", what, on, "stop %s %s, start it again after the reset" % (service["kind"], service["name"]))
-            else:
-                add("daemon", what, on, "refused", "stop it for the reset (reset_blockers: stop_services stops %s %s "
-                    "and starts it again)" % (service["kind"], service["name"]))
+    daemon_pids = _daemon_blockers(report, readings, mode, every, add)
     for gpu in gpus:
         index = gpu["index"]
         for record in report.holders:
@@ -78,3 +59,29 @@ def plan(report, targets, readings, mode, all_gpus):
         add("nvidia_drm", "nvidia_drm in use (reference count %d)" % readings["drm_refcount"], [g["index"] for g in gpus],
             "refused", "a display stack holds the driver: stop it (and unload nvidia_drm) first")
     return blockers, refusals
+
+
+def _daemon_blockers(report, readings, mode, every, add):
+    """add() a blocker for each of the driver's daemons that has a GPU open (it blocks every GPU of the node);
+    the pids of those daemons."""
+    daemon_pids = set()
+    for record in list(report.holders) + list(report.clients) + list(getattr(report, "protected_holders", [])):
+        name = record.get("protected_name")
+        if name in DAEMONS and record["pid"] not in daemon_pids:
+            daemon_pids.add(record["pid"])
+            service = readings.get("services", {}).get(record["pid"])
+            what = "pid %d (%s), a daemon that serves every GPU of the node: %s" % (record["pid"], name, _gpu_words(every))
+            on = [g["index"] for g in every]
+            if service is None:
+                add("daemon", what, on, "refused", "not under systemd or supervisord here as a service of the node's root "
+                    "(a system unit, or a root supervisord's program, its tool in a system folder), so it cannot be "
+                    "stopped and started again through its service manager; stop it yourself")
+            elif service.get("refused"):
+                add("daemon", what, on, "refused", "%s: stopping it would stop every program that unit runs, and "
+                    "starting it again would run them again (B3); stop the daemon yourself" % service["refused"])
+            elif mode == "stop_services":
+                add("daemon", what, on, "stop %s %s, start it again after the reset" % (service["kind"], service["name"]))
+            else:
+                add("daemon", what, on, "refused", "stop it for the reset (reset_blockers: stop_services stops %s %s "
+                    "and starts it again)" % (service["kind"], service["name"]))
+    return daemon_pids

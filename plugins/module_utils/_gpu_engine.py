@@ -2,16 +2,15 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Who holds each GPU, and why its memory is not free (private helper; evidence layer).
 
-Engine joins NVML's view (memory, process list) with the /proc scan into a Report (_report) whose
-holders and clients are read-only Holders (_holder), with its diagnosis (_diagnose) and /dev/shm
-places (_shmplaces). The Engine never sees AnsibleModule: argument specs and check_* are glue (_params).
+Engine joins NVML's view (memory, process list) with the /proc scan, inside a container or on a Proxmox node
+against host pids, into a Report (_report) whose holders and clients are read-only Holders (_holder), with its
+diagnosis (_diagnose) and /dev/shm places (_shmplaces). Knows nothing of AnsibleModule: the options and their
+checks are the glue's (_params).
 """
 
 from __future__ import annotations
 
-import math
 import os
-import sys
 import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
@@ -19,77 +18,16 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
-from ansible_collections.gpuops.fleet.plugins.module_utils import _shm as shm
 from ansible_collections.gpuops.fleet.plugins.module_utils._diagnose import diagnose
 from ansible_collections.gpuops.fleet.plugins.module_utils._jobs import find_jobs
-from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import (
-    HAS_PYNVML, PYNVML_IMPORT_ERROR, Nvml, NvmlFailure,
-)
+from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml, NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._procnames import mps_role, names_of, protected_name, user_name
-from ansible_collections.gpuops.fleet.plugins.module_utils._redact import compile_patterns, redact_argv
+from ansible_collections.gpuops.fleet.plugins.module_utils._redact import redact_argv
 from ansible_collections.gpuops.fleet.plugins.module_utils._report import Report, gpu_entry
 from ansible_collections.gpuops.fleet.plugins.module_utils._shmplaces import ShmPlaces
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import describe_gpus, resolve_gpus
 
-# argument_spec shared by gpu_status and gpu_release (documented in doc_fragments/_gpu.py)
-# How GPUs are read: top-level options of gpu_info, gpu_release's advanced ones.
-GPU_READ_ARGS = dict(
-    threshold_mib=dict(type="int", default=64),
-    nvml_timeout=dict(type="float", default=5.0),
-    redact=dict(type="list", elements="str", default=[], no_log=False),
-    cmdline=dict(type="bool", default=True),
-    reserved_floor_mib=dict(type="int"),
-)
-GPU_COMMON_ARGS = dict(gpus=dict(type="list", elements="str", default=[]), **GPU_READ_ARGS)
-
-
 INIT_PID_NS_INODE = 0xEFFFFFFC  # the host's (initial) PID namespace
-
-
-OS_PACKAGES = {"psutil": "python3-psutil", "nvidia-ml-py": "python3-pynvml"}  # Debian's names
-
-
-def missing_lib_message(package, import_name):
-    """One line naming the package and how to install it."""
-    python = sys.executable or "python3"
-    return ("The Python library %s (import %s) is missing for %s on this host: install it with "
-            "'%s -m pip install %s' (or run the gpuops.fleet.release_gpus role, which installs it); where that "
-            "Python is externally managed (PEP 668: pip says externally-managed-environment), install it into a "
-            "virtual environment and point ansible_python_interpreter at its python, or install the OS package "
-            "(%s), or let the role push wheels (release_gpus_advanced.wheel_dir)"
-            % (package, import_name, python, python, package, OS_PACKAGES.get(package, "python3-" + import_name)))
-
-
-def check_numbers(module, names, minimum=0.0, strict=False, labels=None, params=None):
-    """Fail the task, naming the option and value, on inf, nan, or a value below (or at, if strict) minimum.
-
-    params: the values to check (module.params by default); labels: {name: how the user spelled it}
-    (gpu_release's C(advanced.NAME)).
-    """
-    labels = labels or {}
-    params = module.params if params is None else params
-    for name in names:
-        value = params.get(name)
-        if value is None:
-            continue
-        label = labels.get(name, name)
-        if isinstance(value, float) and not math.isfinite(value):
-            module.fail_json(msg="%s must be a finite number, got %s" % (label, value))
-        if value < minimum or (strict and value == minimum):
-            bound = ("more than %g" % minimum) if strict else ("%g or more" % minimum)
-            module.fail_json(msg="%s must be %s, got %s" % (label, bound, value))
-
-
-def check_common_params(module, labels=None, params=None):
-    """Fail the task on a bad GPU_COMMON_ARGS value; returns the compiled redact patterns."""
-    params = module.params if params is None else params
-    check_numbers(module, ["nvml_timeout"], strict=True, labels=labels, params=params)
-    check_numbers(module, ["reserved_floor_mib", "threshold_mib"], labels=labels, params=params)
-    try:
-        patterns = compile_patterns(params["redact"])
-    except ValueError as exc:
-        module.fail_json(msg=str(exc))
-    return patterns
 
 
 def no_gpu_message(engine, targets):
@@ -102,28 +40,8 @@ def no_gpu_message(engine, targets):
     return None
 
 
-def check_libraries(module, more=()):
-    """Fail the task, in one line, when nvidia-ml-py (or one of more: (found, package, import name, error))
-    is missing on the target. Read-only gpu_status needs nothing but nvidia-ml-py."""
-    for found, package, import_name, error in more:
-        if not found:
-            module.fail_json(msg=missing_lib_message(package, import_name), missing_library=package, exception=repr(error))
-    if not HAS_PYNVML:
-        module.fail_json(msg=missing_lib_message("nvidia-ml-py", "pynvml"), missing_library="nvidia-ml-py",
-                         exception=repr(PYNVML_IMPORT_ERROR))
-
-
-def check_shm_prefixes(module, params=None, label="shm_prefixes"):
-    """Fail the task on a bad shm_prefixes entry; returns the (prefix, stack) pairs with the built-in ones."""
-    params = module.params if params is None else params
-    for prefix in params["shm_prefixes"]:
-        if not prefix or "/" in prefix or "\0" in prefix:
-            module.fail_json(msg="%s: each must be a file name's start, without /, got %r" % (label, prefix))
-    return shm.prefixes_with(params["shm_prefixes"])
-
-
 def engine_from_params(params, patterns):
-    """An Engine over a new Nvml, set up from GPU_COMMON_ARGS (not started)."""
+    """An Engine over a new Nvml, set up from the options of _params.READ_ARGS (not started)."""
     nvml = Nvml(timeout=params["nvml_timeout"], reserved_floor_mib=params.get("reserved_floor_mib"))
     return Engine(nvml, redact_patterns=patterns, with_cmdline=params["cmdline"],
                   threshold_mib=params["threshold_mib"])

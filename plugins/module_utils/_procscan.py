@@ -4,6 +4,8 @@
 
 No AnsibleModule here: the same code can run in a container or on a node
 against host pids. Facts it relies on are in GPU_FACTS.md rows 4, 5, 6 and 8.
+The bounded reader and the stat reads live in _procread (issue 46); READER, the one reader every caller shares,
+is here, and so are _procread's names that callers know as _procscan's.
 """
 
 from __future__ import annotations
@@ -11,13 +13,13 @@ from __future__ import annotations
 import errno
 import os
 import re
-import select
 import stat as stat_mod
-import struct
 import threading
-import time
 
-from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
+from ansible_collections.gpuops.fleet.plugins.module_utils._procread import (  # noqa: F401 pylint: disable=unused-import
+    FD_TARGETS, KEEP_LINES, LISTING, MAPS_CAP, MM_LOCK_READ_RE, ONE_STAT, READ_TIMEOUT_S, WHOLE, BoundedReader, ReadBlocked, Truncated,
+    _direct_read, ancestors, blocked_info, cap_for, is_descendant, is_truncated, parse_stat, read_stat, same_process,
+    thread_details)
 
 _GONE = (errno.ENOENT, errno.ESRCH)
 DELETED = " (deleted)"
@@ -26,377 +28,9 @@ NVIDIA_MAJOR = 195       # /dev/nvidiaN is 195:N; 254 is nvidia-modeset, 255 nvi
 SOCKET_PREFIX = "socket:["
 SHM_DIR = "/dev/shm/"
 SHM_MARKER = SHM_DIR.encode()
-
-
-READ_TIMEOUT_S = 3.0
-# Bytes read at most per file (issue 41): a process can point its cmdline or environ at gigabytes of memory of its own
-# (PR_SET_MM_MAP), and a reader without a cap spends seconds and its memory on each. What is cut is said (Truncated).
-ARGS_CAP = 1 << 20           # cmdline, environ
-MAPS_CAP = 16 << 20          # maps: 65530 mappings of usual paths fit many times
-DEFAULT_CAP = 1 << 20        # stat, status, cgroup, wchan, stack ...
-CAPS = {"cmdline": ARGS_CAP, "environ": ARGS_CAP, "maps": MAPS_CAP, "tcp": MAPS_CAP, "tcp6": MAPS_CAP}
-# Reads that take the target's memory-map lock (maps, and cmdline/environ through its memory): a process stuck in
-# the kernel can hold that lock, or make readers queue behind it, forever, and no signal ends the read.
-MM_LOCK_READ_RE = re.compile(r"/(\d+)/(?:task/\d+/)?(?:maps|cmdline|environ)$")
-_HEADER = struct.Struct("<IiIII")  # request id, errno (0: read), size (bytes, or fd entries), length of the data, 1: cut
-WHOLE, KEEP_LINES, FD_TARGETS, LISTING, ONE_STAT = "R", "M", "F", "S", "T"
 BATCH = 128   # processes per batch of a scan: its requests stay well below a pipe's 64 KiB
 
-# Runs in the reader process: "ID OP KEEP CAP PATH" per line on stdin (KEEP: markers joined by NUL, in hex, or -; CAP:
-# the bytes read at most), a header and the data (or the errno) per request on stdout, the header saying whether the
-# file had more than CAP. R: the file (its first CAP bytes); M: its lines that hold a marker;
-# F: the targets of an fd directory's links that start with a marker or socket:[, NUL-separated; S: the folder reached
-# from PATH through the names in KEEP, each opened with O_NOFOLLOW (a link on the way is ELOOP or ENOTDIR, never
-# followed), as "DEV INO UID GID" and one "MODE DEV INO SIZE MTIME_NS RDEV UID GID NAME" per entry, NUL-separated;
-# an F target under /dev/shm/ carries "\x01DEV INO" of the open file (from fdinfo and mountinfo, procfs only); T: the
-# mode and device number of the last name in KEEP, the folders before it opened with O_NOFOLLOW, itself not followed,
-# as "MODE RDEV". An OP ending
-# in "." ends a batch, whose answers are flushed then; a read that has taken over 50 ms has the answers before
-# it flushed by a watchdog thread, so a missing answer is always the one being read.
-READER_SOURCE = r"""
-import os, struct, sys, threading, time
-header = struct.Struct("<IiIII")
-out = sys.stdout.buffer
-reading_since = [0.0]
-def watchdog():
-    while True:
-        time.sleep(0.05)
-        since = reading_since[0]
-        if since and time.monotonic() - since > 0.05:
-            out.flush()
-threading.Thread(target=watchdog, daemon=True).start()
-def whole(path, cap):
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks, size = [], 0
-        while size <= cap:
-            chunk = os.read(fd, min(65536, cap + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        data = b"".join(chunks)
-        return data[:cap], len(data) > cap
-    finally:
-        os.close(fd)
-def fd_identity(path, name, mounts):
-    # b"\x01DEV INO" of an open file from procfs alone (fdinfo's mnt_id and ino, mountinfo's device of that mount):
-    # never a stat through the fd link, which would ask the file's own file system (a hung FUSE mount blocks it)
-    base = path.rstrip(b"/")[:-2]
-    try:
-        with open(base + b"fdinfo/" + name, "rb") as f:
-            info = dict(l.split(b":", 1) for l in f.read().split(b"\n") if b":" in l)
-        if not mounts:
-            with open(base + b"mountinfo", "rb") as f:
-                mounts.update((l.split(b" ")[0], l.split(b" ")[2]) for l in f.read().split(b"\n") if l.count(b" ") > 2)
-        major, minor = mounts[info[b"mnt_id"].strip()].split(b":")
-        return b"\x01%d %d" % (os.makedev(int(major), int(minor)), int(info[b"ino"].strip()))
-    except (OSError, KeyError, ValueError):
-        return b""
-def fd_targets(path, keep):
-    dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        names = os.listdir(path)
-        kept, mounts = [], {}
-        readlink = os.readlink
-        for name in names:
-            try:
-                target = readlink(name, dir_fd=dir_fd)
-            except OSError:
-                continue
-            if target.startswith(keep) or target.startswith(b"socket:["):
-                if target.startswith(b"/dev/shm/"):
-                    target += fd_identity(path, name, mounts)
-                kept.append(target)
-        return len(names), b"\0".join(kept)
-    finally:
-        os.close(dir_fd)
-def walk(path, parts):
-    # the folder reached from path through parts, each opened with O_NOFOLLOW (path itself is followed)
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        for part in parts or ():
-            child = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = child
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
-def listing(path, parts):
-    fd = walk(path, parts)
-    try:
-        st = os.fstat(fd)
-        names = os.listdir(fd)
-        rows = [b"%d %d %d %d" % (st.st_dev, st.st_ino, st.st_uid, st.st_gid)]
-        for name in names:
-            try:
-                e = os.stat(name, dir_fd=fd, follow_symlinks=False)
-            except OSError:
-                continue
-            rows.append(b"%d %d %d %d %d %d %d %d " % (e.st_mode, e.st_dev, e.st_ino, e.st_size, e.st_mtime_ns, e.st_rdev,
-                                                     e.st_uid, e.st_gid) + os.fsencode(name))
-        return len(names), b"\0".join(rows)
-    finally:
-        os.close(fd)
-def one_stat(path, parts):
-    fd = walk(path, parts[:-1])
-    try:
-        e = os.stat(parts[-1], dir_fd=fd, follow_symlinks=False)
-        return 1, b"%d %d" % (e.st_mode, e.st_rdev)
-    finally:
-        os.close(fd)
-keeps = {b"-": None}
-for line in sys.stdin.buffer:
-    request, op, keep, cap, path = line[:-1].split(b" ", 4)
-    if keep not in keeps:
-        keeps[keep] = tuple(bytes.fromhex(keep.decode()).split(b"\0"))
-    keep = keeps[keep]
-    reading_since[0] = time.monotonic()
-    cut = 0
-    try:
-        if op[:1] == b"F":
-            size, data = fd_targets(path, keep)
-        elif op[:1] == b"S":
-            size, data = listing(path, keep)
-        elif op[:1] == b"T":
-            size, data = one_stat(path, keep)
-        else:
-            data, cut = whole(path, int(cap))
-            size = len(data)
-            if op[:1] == b"M":
-                if any(k in data for k in keep):
-                    data = b"\n".join(l for l in data.split(b"\n") if any(k in l for k in keep))
-                else:
-                    data = b""
-        code = 0
-    except OSError as exc:
-        code, size, data = exc.errno or 5, 0, b""
-    reading_since[0] = 0.0
-    out.write(header.pack(int(request), code, size, len(data), int(cut)))
-    out.write(data)
-    if op.endswith(b"."):
-        out.flush()
-"""
-
-
-def _keep_arg(keep):
-    """A request's KEEP: the hex of its markers (bytes, or a tuple of bytes) joined by NUL, or - for none."""
-    if not keep:
-        return b"-"
-    return (b"\0".join(keep) if isinstance(keep, tuple) else keep).hex().encode()
-
-
-class Truncated(bytes):
-    """The first bytes of a file that had more than its cap (cap_for): what was cut is unknown, never empty."""
-    truncated = True
-
-
-def is_truncated(data):
-    return bool(getattr(data, "truncated", False))
-
-
-def cap_for(path):
-    """The bytes read at most from a /proc file (by its name: cmdline, environ, maps ...)."""
-    return CAPS.get(path.rstrip("/").rsplit("/", 1)[-1], DEFAULT_CAP)
-
-
-class ReadBlocked(OSError):
-    """A read of /proc/PID/... did not finish within the bounded wait: the process is `unreadable: blocked`."""
-
-    def __init__(self, path, pid):
-        OSError.__init__(self, errno.ETIMEDOUT, "reading %s blocked" % path)
-        self.path = path
-        self.pid = pid
-
-
-def _direct_read(path):
-    """The file's first cap_for(path) bytes (Truncated when it had more)."""
-    cap = cap_for(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
-    try:
-        chunks, size = [], 0
-        while size <= cap:
-            chunk = os.read(fd, min(65536, cap + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    finally:
-        os.close(fd)
-    data = b"".join(chunks)
-    return Truncated(data[:cap]) if len(data) > cap else data
-
-
-class _HelperFailed(Exception):
-    """The reader process died or broke its pipe before answering."""
-
-    def __init__(self, reason):
-        Exception.__init__(self, reason)
-        self.reason = reason
-
-
-class _Lane(object):
-    """One reader process, used by one caller at a time."""
-
-    def __init__(self):
-        self.proc = None
-        self.lock = threading.Lock()
-        self.buffer = b""   # answers read ahead, from pos on
-        self.pos = 0
-
-
-class BoundedReader(object):
-    """Reads files that may block in the kernel in helper processes, waiting at most `timeout` per file.
-
-    A helper holds none of this process's files (not Ansible's pipes, not the GPU locks). Requests go in
-    batches; each answer must come within `timeout` of the one before. When one does not, its helper is
-    SIGKILLed and abandoned (it dies once the read returns), the pid is recorded in `blocked` with its
-    state and wchan, later reads of that pid fail at once, and the rest of the batch goes to a new helper.
-    `lanes` helpers serve that many callers at once (a scan's threads); lane 0 serves single reads.
-    """
-
-    def __init__(self, timeout=READ_TIMEOUT_S, lanes=4):
-        self.timeout = timeout
-        self.blocked = {}        # (proc_root, pid) -> {pid, starttime, path, reason, state, wchan, blocked_threads}
-        self.lanes = [_Lane() for dummy in range(max(1, lanes))]
-        self.started = 0
-        self.requests = 0       # request ids: an answer names the request it answers
-        self._ids = threading.Lock()
-
-    def _abandon(self, lane):
-        proc, lane.proc = lane.proc, None
-        lane.buffer, lane.pos = b"", 0
-        if proc is not None:
-            helperproc.abandon(proc)
-
-    def close(self):
-        for lane in self.lanes:
-            with lane.lock:
-                self._abandon(lane)
-
-    @staticmethod
-    def _mm_key(path):
-        found = MM_LOCK_READ_RE.search(path)
-        return (path[:found.start()], int(found.group(1))) if found else None
-
-    def read(self, path):
-        """The file's bytes, read by a helper within `timeout`; ReadBlocked when that wait ran out, OSError
-        (EIO) when two helpers in a row failed before answering: the read is never done unbounded here."""
-        answer = self.read_many([(WHOLE, path, None)])[0]
-        if isinstance(answer, OSError):
-            raise answer  # pylint: disable=raising-bad-type
-        return answer[1]
-
-    def read_many(self, requests, lane=0, timeout=None):
-        """[(size, data) or the OSError] for each (op, path, keep) request, in order, through one lane; each answer
-        waited for at most timeout (default: the reader's)."""
-        out = [None] * len(requests)
-        todo = []
-        for index, (dummy, path, dummy2) in enumerate(requests):
-            key = self._mm_key(path)
-            if key in self.blocked:
-                out[index] = ReadBlocked(path, key[1])
-            else:
-                todo.append(index)
-        lane = self.lanes[lane % len(self.lanes)]
-        with lane.lock:
-            failed_in_a_row = 0
-            while todo:
-                try:
-                    answered, blocked = self._ask(lane, [requests[i] for i in todo], timeout or self.timeout)
-                    failure = None
-                except _HelperFailed as exc:
-                    answered, blocked, failure = exc.answered, False, exc
-                for index, answer in zip(todo, answered):
-                    out[index] = answer
-                failed_in_a_row = 0 if answered else failed_in_a_row + (failure is not None)
-                todo = todo[len(answered):]
-                if failure is not None and failed_in_a_row >= 2:
-                    for index in todo:
-                        out[index] = OSError(errno.EIO, "the /proc reader process failed twice (%s)" % failure.reason)
-                    break
-                if blocked:
-                    path = requests[todo[0]][1]
-                    key = self._mm_key(path)
-                    if key is not None:
-                        self.blocked[key] = blocked_info(key[1], key[0], path, timeout or self.timeout)
-                    out[todo[0]] = ReadBlocked(path, key[1] if key else None)
-                    todo = todo[1:]
-        return out
-
-    def _exactly(self, lane, count, end):
-        """count bytes of the lane's answers (read ahead in big chunks), or None when end passes first."""
-        while len(lane.buffer) - lane.pos < count:
-            left = end - time.monotonic()
-            fd = lane.proc.stdout.fileno()
-            if left <= 0 or not select.select([fd], [], [], left)[0]:
-                return None
-            chunk = os.read(fd, max(count, 1 << 16))
-            if not chunk:
-                raise OSError(errno.EIO, "the /proc reader process exited")
-            lane.buffer = lane.buffer[lane.pos:] + chunk
-            lane.pos = 0
-        data = lane.buffer[lane.pos:lane.pos + count]
-        lane.pos += count
-        return data
-
-    def _ask(self, lane, requests, timeout):
-        """(answers of the first requests, in order, True when the next one did not come within timeout).
-        An errno answer is an OSError in the list. A helper without every answer is abandoned, whatever
-        ended the wait; _HelperFailed (with .answered) when it died or broke its pipe."""
-        if lane.proc is None:
-            lane.proc = helperproc.spawn(READER_SOURCE, python_flags=["-S"])
-            with self._ids:
-                self.started += 1
-        with self._ids:
-            first = self.requests + 1
-            self.requests += len(requests)
-        ids = [(first + n) & 0xFFFFFFFF for n in range(len(requests))]
-        answered = []
-        try:
-            lane.proc.stdin.write(b"".join(
-                b"%d %s%s %s %d %s\n" % (ids[n], op.encode(), b"." if n == len(requests) - 1 else b"",
-                                         _keep_arg(keep), cap_for(path), path.encode())
-                for n, (op, path, keep) in enumerate(requests)))
-            lane.proc.stdin.flush()
-            end = time.monotonic() + timeout
-            while len(answered) < len(requests):
-                head = self._exactly(lane, _HEADER.size, end)
-                if head is None:
-                    return answered, True
-                answer_to, code, size, length, cut = _HEADER.unpack(head)
-                data = self._exactly(lane, length, end) if length else b""
-                if data is None:
-                    return answered, True
-                if answer_to != ids[len(answered)]:
-                    continue  # an answer to an earlier request whose caller gave up: never this one's
-                path = requests[len(answered)][1]
-                answered.append(OSError(code, os.strerror(code), path) if code else (size, Truncated(data) if cut else data))
-                end = time.monotonic() + timeout
-        except (OSError, ValueError) as exc:
-            failed = _HelperFailed(str(exc))
-            failed.answered = answered
-            raise failed
-        finally:
-            # A timeout, or anything raised between a request and its whole answer (a signal handler's
-            # exception, say): an answer may still come, so this helper never serves again.
-            if len(answered) < len(requests):
-                self._abandon(lane)
-        return answered, False
-
-    def blocked_in(self, proc_root):
-        """Blocked processes under proc_root that still exist (same start time), by pid."""
-        out = []
-        for (root, pid), info in sorted(self.blocked.items()):
-            if root == proc_root.rstrip("/"):
-                stat = read_stat(pid, proc_root)
-                if stat is not None and stat["starttime"] == info["starttime"]:
-                    out.append(info)
-        return out
-
-
-READER = BoundedReader()
+READER = BoundedReader()   # the one bounded reader of this process (tests put their own here)
 
 
 def list_folder(root, parts, timeout=None):
@@ -416,20 +50,6 @@ def list_folder(root, parts, timeout=None):
                         "bytes": int(size), "mtime": int(mtime_ns) / 1e9, "rdev": int(rdev), "uid": int(euid),
                         "gid": int(egid)})
     return {"dev": dev, "ino": ino, "uid": uid, "gid": gid, "entries": sorted(entries, key=lambda e: e["name"])}
-
-
-def blocked_info(pid, proc_root, path, timeout):
-    """What a process whose read blocked is doing: its state, wchan and D-state threads (these reads never block)."""
-    stat = read_stat(pid, proc_root)
-    wchan = None
-    try:
-        wchan = _direct_read("%s/%d/wchan" % (proc_root, pid)).decode("utf-8", "replace").strip() or None
-    except OSError:
-        pass
-    counts, blocked = thread_details(pid, proc_root)
-    return {"pid": pid, "name": stat["comm"] if stat else None, "starttime": stat["starttime"] if stat else None,
-            "reason": "blocked", "path": path, "waited_s": timeout, "state": stat["state"] if stat else None,
-            "wchan": wchan, "thread_states": counts, "blocked_threads": blocked}
 
 
 def read_bytes(path):
@@ -495,26 +115,6 @@ class DeviceNames(object):
 
     def strip(self, path):
         return path[: -len(DELETED)] if path.endswith(DELETED) else path
-
-
-def parse_stat(text):
-    """Parse /proc/PID/stat (the comm may hold spaces and parentheses)."""
-    head, dummy, tail = text.rpartition(")")
-    pid_part, dummy, comm = head.partition(" (")
-    fields = tail.split()
-    # fields[0] is field 3 (state); starttime is field 22, num_threads field 20
-    return {
-        "pid": int(pid_part),
-        "comm": comm,
-        "state": fields[0],
-        "ppid": int(fields[1]),
-        "pgrp": int(fields[2]),
-        "session": int(fields[3]),
-        "tty_nr": int(fields[4]),     # 0: no controlling terminal
-        "flags": int(fields[6]),
-        "num_threads": int(fields[17]),
-        "starttime": int(fields[19]),
-    }
 
 
 def parse_status(text):
@@ -833,52 +433,90 @@ def _fd_read(answer, devices, shm_paths, shm_files=None):
 
 def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result, shm_devs=frozenset()):
     """Add pid to result from its maps and fd answers: (size, kept data) or the OSError."""
-    if isinstance(maps_answer, ReadBlocked):
-        _add_blocked(result, proc_root, devices, pid, "%s/%d/fd" % (proc_root, pid))
+    tables = _maps_of(proc_root, devices, pid, stat, maps_answer, result)
+    if tables is None:
         return
-    if isinstance(maps_answer, OSError):
-        if maps_answer.errno in _GONE:
-            return
-        size, maps = 0, None
-    else:
-        size, maps = maps_answer
-    if is_truncated(maps):
-        _add_truncated(result, pid, stat, "%s/%d/maps" % (proc_root, pid))
-        return
-    table_tid = pid
-    defunct = False
+    size, maps = tables
+    table_tid, defunct = pid, False
     if not size:
         # a zombie, a defunct leader, one exiting, or unreadable; read again, since the leader may have just exited
         stat = read_stat(pid, proc_root)
         if stat is None:
             return
         if stat["state"] == "Z":
-            if stat["num_threads"] <= 1:
-                result.zombies.append({"pid": pid, "ppid": stat["ppid"], "comm": stat["comm"]})
+            leader = _defunct_leader_tables(proc_root, devices, pid, stat, result)
+            if leader is None:
                 return
-            tid = live_thread(proc_root, pid)
-            if tid is None:
-                return
-            defunct, table_tid = True, tid
-            table_base = "%s/%d/task/%d" % (proc_root, pid, tid)
-            try:
-                maps = READER.read(table_base + "/maps")
-            except ReadBlocked:
-                _add_blocked(result, proc_root, devices, pid, table_base + "/fd")
-                return
-            except OSError:
-                maps = None
-            if is_truncated(maps):
-                _add_truncated(result, pid, stat, table_base + "/maps")
-                return
-            fd_answer = READER.read_many([(FD_TARGETS, table_base + "/fd", devices.marker)])[0]
+            table_tid, maps, fd_answer = leader
+            defunct = True
         elif maps is None:
             result.unreadable.append(pid)
         # else a user process without mappings (one exiting, say): its open files still count
+    fd_read = _fd_and_shm(pid, maps, fd_answer, devices, result, shm_devs)
+    if fd_read is None:
+        return
+    fds, sockets = fd_read
+    map_counts = parse_maps_counts(maps, devices) if maps else {}
+    if not map_counts and not fds:
+        return
+    if not same_process(pid, stat["starttime"], proc_root):
+        return  # gone, or the pid was reused while its tables were read
+    entry = ProcEntry(pid, stat)
+    entry.fd_devices = fds
+    entry.map_devices = sorted(map_counts)
+    entry.map_counts = map_counts
+    entry.sockets = [int(s[len(SOCKET_PREFIX):-1]) for s in sockets if s.endswith("]")]
+    entry.table_tid = table_tid
+    entry.defunct_leader = defunct
+    entry.via = ["task"] if defunct else ([u"fd"] if fds else []) + ([u"mmap"] if entry.map_devices else [])
+    result.entries[pid] = entry
+
+
+def _maps_of(proc_root, devices, pid, stat, maps_answer, result):
+    """(size, kept maps lines or None when unreadable) of a maps answer; None when pid is done with: gone, blocked or
+    truncated (the last two added to result)."""
+    if isinstance(maps_answer, ReadBlocked):
+        _add_blocked(result, proc_root, devices, pid, "%s/%d/fd" % (proc_root, pid))
+        return None
+    if isinstance(maps_answer, OSError):
+        return None if maps_answer.errno in _GONE else (0, None)
+    if is_truncated(maps_answer[1]):
+        _add_truncated(result, pid, stat, "%s/%d/maps" % (proc_root, pid))
+        return None
+    return maps_answer
+
+
+def _defunct_leader_tables(proc_root, devices, pid, stat, result):
+    """(tid, maps, fd answer) of a live thread of the zombie pid, whose tables its threads share (GPU_FACTS row 4);
+    None when there is none to read (a one-thread zombie is added to result's zombies), or when it blocked or was
+    truncated (added to result)."""
+    if stat["num_threads"] <= 1:
+        result.zombies.append({"pid": pid, "ppid": stat["ppid"], "comm": stat["comm"]})
+        return None
+    tid = live_thread(proc_root, pid)
+    if tid is None:
+        return None
+    table_base = "%s/%d/task/%d" % (proc_root, pid, tid)
+    try:
+        maps = READER.read(table_base + "/maps")
+    except ReadBlocked:
+        _add_blocked(result, proc_root, devices, pid, table_base + "/fd")
+        return None
+    except OSError:
+        maps = None
+    if is_truncated(maps):
+        _add_truncated(result, pid, stat, table_base + "/maps")
+        return None
+    return tid, maps, READER.read_many([(FD_TARGETS, table_base + "/fd", devices.marker)])[0]
+
+
+def _fd_and_shm(pid, maps, fd_answer, devices, result, shm_devs):
+    """(device paths, socket targets) of pid's fd answer, ([], []) when unreadable (pid added to result's unreadable);
+    None when pid is gone. The /dev/shm files it has open or mapped go to result's shm_paths and shm_files."""
     shm_paths, shm_files = _shm_maps(maps, shm_devs)
     fd_read = _fd_read(fd_answer, devices, shm_paths, shm_files)
     if fd_read is None:
-        return
+        return None
     if shm_paths:
         result.shm_paths[pid] = shm_paths
     if shm_files:
@@ -887,22 +525,7 @@ def _take(proc_root, devices, pid, stat, maps_answer, fd_answer, result, shm_dev
         fd_read = ([], [])
         if pid not in result.unreadable:
             result.unreadable.append(pid)
-    fds, sockets = fd_read
-    map_counts = parse_maps_counts(maps, devices) if maps else {}
-    mapped = sorted(map_counts)
-    if not mapped and not fds:
-        return
-    if not same_process(pid, stat["starttime"], proc_root):
-        return  # gone, or the pid was reused while its tables were read
-    entry = ProcEntry(pid, stat)
-    entry.fd_devices = fds
-    entry.map_devices = mapped
-    entry.map_counts = map_counts
-    entry.sockets = [int(s[len(SOCKET_PREFIX):-1]) for s in sockets if s.endswith("]")]
-    entry.table_tid = table_tid
-    entry.defunct_leader = defunct
-    entry.via = ["task"] if defunct else ([u"fd"] if fds else []) + ([u"mmap"] if mapped else [])
-    result.entries[pid] = entry
+    return fd_read
 
 
 def shm_markers(devs):
@@ -959,14 +582,6 @@ def _add_truncated(result, pid, stat, path):
     result.unreadable.append(pid)
 
 
-def read_stat(pid, proc_root="/proc"):
-    """parse_stat of a live pid, or None when it is gone."""
-    try:
-        return parse_stat(read_text("%s/%d/stat" % (proc_root, pid)))
-    except (OSError, ValueError, IndexError):
-        return None
-
-
 def read_cgroup(pid, proc_root="/proc"):
     """parse_cgroup of a live pid, or None when it cannot be read (or had more than its cap: unknown)."""
     try:
@@ -974,81 +589,3 @@ def read_cgroup(pid, proc_root="/proc"):
     except OSError:
         return None
     return None if is_truncated(raw) else parse_cgroup(raw.decode("utf-8", "replace"))
-
-
-def same_process(pid, starttime, proc_root="/proc"):
-    """True while pid still names the process that started at starttime (clock ticks)."""
-    stat = read_stat(pid, proc_root)
-    return stat is not None and stat["starttime"] == starttime
-
-
-def ancestors(pid, proc_root="/proc"):
-    """pids above pid (parent first) up to the namespace's top."""
-    out = []
-    seen = set()
-    current = pid
-    while True:
-        stat = read_stat(current, proc_root)
-        if stat is None:
-            break
-        parent = stat["ppid"]
-        if parent <= 0 or parent in seen:
-            break
-        out.append(parent)
-        seen.add(parent)
-        current = parent
-    return out
-
-
-def is_descendant(pid, root, proc_root="/proc", cache=None):
-    """True when root is an ancestor of pid."""
-    cache = {} if cache is None else cache
-    chain = []
-    current = pid
-    found = False
-    for dummy in range(4096):
-        if current in cache:
-            found = cache[current]
-            break
-        stat = read_stat(current, proc_root)
-        if stat is None or stat["ppid"] <= 0:
-            break
-        chain.append(current)
-        if stat["ppid"] == root:
-            found = True
-            break
-        current = stat["ppid"]
-    for item in chain:
-        cache[item] = found
-    return found
-
-
-def thread_details(pid, proc_root="/proc", with_stack=True):
-    """States of the threads of pid: counts per state, and D-state threads with wchan and stack."""
-    counts = {}
-    blocked = []
-    task_dir = "%s/%d/task" % (proc_root, pid)
-    try:
-        tids = sorted((int(t) for t in os.listdir(task_dir)))
-    except OSError:
-        return counts, blocked
-    for tid in tids:
-        stat = read_stat(tid, task_dir)
-        if stat is None:
-            continue
-        state = stat["state"]
-        counts[state] = counts.get(state, 0) + 1
-        if state == "D":
-            info = {"tid": tid, "comm": stat["comm"], "wchan": None, "stack": None}
-            try:
-                info["wchan"] = read_text("%s/%d/wchan" % (task_dir, tid)).strip() or None
-            except OSError:
-                pass
-            if with_stack:
-                try:
-                    stack = read_text("%s/%d/stack" % (task_dir, tid)).strip()
-                    info["stack"] = [line.strip() for line in stack.splitlines() if line.strip()] or None
-                except OSError:
-                    pass
-            blocked.append(info)
-    return counts, blocked

@@ -37,16 +37,15 @@ from ansible_collections.gpuops.fleet.plugins.module_utils._decide import (
     decide, generic_unit, gpu_list_words, plan_entry, reset_refusal, stop_set_verdict, stuck_in_driver,
 )
 
-try:
-    import psutil
-    HAS_PSUTIL = True
-    PSUTIL_IMPORT_ERROR = None
-except Exception as _exc:
-    psutil = None
-    HAS_PSUTIL = False
-    PSUTIL_IMPORT_ERROR = _exc
+from ansible_collections.gpuops.fleet.plugins.module_utils import _deps as deps
 
-RUNGS = ("none", "sigterm", "sigkill", "wait", "container_restart", "reset")
+psutil = None
+with deps.declare("psutil", reason="to signal processes, each guarded against pid reuse"):
+    import psutil
+
+# The ladder, in order; the one list of rungs (issue 46): the gpu_report callback reads it. "stop" (units stopped, no
+# signal) is reported on a container's rows (per_container); rung_reached (_set_rung) starts at the signals.
+RUNGS = ("none", "stop", "sigterm", "sigkill", "wait", "container_restart", "reset")
 POLL_S = 0.075
 FULL_READ_EVERY_S = 1.0  # shared_gpu: own polls read NVML alone in between (_scope_still_holds)
 GRACE_S = 1.0            # once nothing visible here holds a GPU, how long to wait for its memory

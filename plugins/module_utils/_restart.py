@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _deps as deps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 
@@ -78,16 +79,25 @@ class PctBackend(object):
         return {"running": True, "stopped": False}.get(words[1]) if words[:1] == ["status:"] and len(words) > 1 else None
 
 
+def load_proxmoxer():
+    """proxmoxer's ProxmoxAPI, or None when its declared import failed. Imported only when the API is used (api_host),
+    so that a release through pct never pays for proxmoxer and requests."""
+    with deps.declare("proxmoxer", reason="for the container rung through the Proxmox API (api_host), on the node"):
+        from proxmoxer import ProxmoxAPI
+        return ProxmoxAPI
+    return None
+
+
 class ApiBackend(object):
     """The Proxmox REST API through proxmoxer's https backend."""
 
     name = "api"
 
     def __init__(self, api):
-        try:
-            from proxmoxer import ProxmoxAPI
-        except ImportError as exc:
-            raise RestartError("api_host needs the Python library proxmoxer (and requests) on the node: %s" % exc)
+        ProxmoxAPI = load_proxmoxer()  # pylint: disable=invalid-name
+        if ProxmoxAPI is None:
+            raise RestartError("api_host needs the Python library proxmoxer (and requests) on the node: %s"
+                               % deps.get("proxmoxer").error)
         kwargs = {"port": api.get("port") or 8006, "verify_ssl": api.get("ca_path") or api.get("validate_certs", True),
                   "timeout": api.get("timeout") or 10}
         if api.get("token_id"):

@@ -680,13 +680,14 @@ import traceback
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
-    GPU_COMMON_ARGS, check_common_params, check_libraries, check_shm_prefixes, engine_from_params, no_gpu_message,
-)
+from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import engine_from_params, no_gpu_message
 from ansible_collections.gpuops.fleet.plugins.module_utils import _access as access
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _ready as ready
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
+from ansible_collections.gpuops.fleet.plugins.module_utils._params import (
+    INFO_PACKAGES, check_common_params, check_need, check_shm_prefixes, info_spec, validate_libraries,
+)
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
 
 
@@ -707,15 +708,6 @@ def start_engine(module, patterns):
         engine.nvml.shutdown()
         module.fail_json(msg=no_gpu, all_free=False)
     return engine, targets
-
-
-def check_need(module):
-    """Fail on a need that no GPU could mean, before anything is read."""
-    need_mib, fraction = module.params["need_mib"], module.params["need_fraction"]
-    if need_mib is not None and need_mib <= 0:
-        module.fail_json(msg="need_mib must be a positive number of MiB, got %r" % need_mib)
-    if fraction is not None and not 0 < fraction <= 1:
-        module.fail_json(msg="need_fraction must be above 0 and at most 1, got %r" % fraction)
 
 
 def add_readiness(module, engine, report, result):
@@ -768,17 +760,12 @@ def container_access(engine, scan, gpus):
 
 
 def main():
-    module = AnsibleModule(argument_spec=dict(GPU_COMMON_ARGS, shm_residue=dict(type="bool", default=True),
-                                              shm_prefixes=dict(type="list", elements="str", default=[]),
-                                              need_mib=dict(type="int"), need_fraction=dict(type="float"),
-                                              health=dict(type="bool", default=True),
-                                              device_access=dict(type="bool", default=True)),
-                           mutually_exclusive=[("need_mib", "need_fraction")],
+    module = AnsibleModule(argument_spec=info_spec(), mutually_exclusive=[("need_mib", "need_fraction")],
                            supports_check_mode=True)
     patterns = check_common_params(module)
     prefixes = check_shm_prefixes(module)
     check_need(module)
-    check_libraries(module)
+    validate_libraries(module, INFO_PACKAGES)
     engine, targets = start_engine(module, patterns)
     if module.params["shm_residue"]:
         engine.shm_prefixes = prefixes

@@ -20,7 +20,7 @@ description:
     O(advanced.verify_timeout).
   - 6. With O(gpu_reset=true), a GPU that no process holds but whose memory is still used is reset with
     C(nvidia-smi --gpu-reset); the reset is refused while any holder remains.
-  - 7. Verify that every targeted GPU's v2 C(used) is at most O(advanced.threshold_mib), else fail with the gpu_status
+  - 7. Verify that every targeted GPU's v2 C(used) is at most O(advanced.threshold_mib), else fail with the gpu_info
     diagnosis and what was tried.
   - "Which GPUs a holder holds is decided by evidence, not by the device nodes it maps: every CUDA process maps the
     node of every GPU visible to it. A holder that NVML names, where it maps a context, holds exactly the GPUs where
@@ -454,7 +454,9 @@ EXAMPLES = r"""
 
 RETURN = r"""
 missing_library:
-  description: On a host where psutil or nvidia-ml-py does not import, the package to install (the task fails).
+  description:
+    - On a host where psutil or nvidia-ml-py does not import (or proxmoxer, with O(container_restart) and
+      O(api_host)), the package to install (the task fails, its message saying how).
   returned: when a library is missing
   type: str
   sample: nvidia-ml-py
@@ -558,7 +560,7 @@ remaining:
                          "blocked_threads": [{"tid": 812, "comm": "python3", "wchan": "__refrigerator", "stack": null}]}],
             "error": null}]
 diagnosis:
-  description: The gpu_status diagnosis of the final state, plus holders that were not signalled and why.
+  description: The gpu_info diagnosis of the final state, plus holders that were not signalled and why.
   returned: always
   type: list
   elements: str
@@ -684,6 +686,8 @@ per_container:
     - Each of its C(gpus) also has C(rung) (C(none) when it held nothing there, else the strongest step taken for
       it, C(stop) when a stop alone freed it) and C(signals) (C(SIGTERM 4388 (python3)) ...), as the role reports
       them.
+    - The entry itself has C(rung), the strongest of its GPUs' rungs, and C(signals), each step taken for it (a
+      signal sent, a stop or a container stop or start done), in the words of RV(per_gpu).
   returned: always
   type: list
   elements: dict
@@ -693,7 +697,28 @@ per_container:
                       "others_mib": 2048,
                       "free": true, "rung": "sigterm", "signals": ["SIGTERM 4388 (python3)"]}],
             "found_units": [], "stopped": [],
-            "actions": [{"pid": 4388, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}], "not_signalled": []}]
+            "actions": [{"pid": 4388, "name": "python3", "signal": "SIGTERM", "outcome": "sent"}], "not_signalled": [],
+            "rung": "sigterm", "signals": ["SIGTERM 4388 (python3)"]}]
+per_gpu:
+  description:
+    - One entry per targeted GPU (as in RV(before)), on both paths (inside a container and from the node), saying what
+      was done for it and how it ended. The same shape whichever path ran the release.
+    - C(index) and C(uuid) as this host numbers and names the GPU.
+    - C(rung) is the strongest step taken for it, weakest first C(none), C(stop) (a unit of
+      O(advanced.stop_found_units)), C(sigterm), C(sigkill), C(wait) (a planned holder stuck in D state),
+      C(container_restart) (a container that held it was stopped), C(reset).
+    - C(signals) lists each step taken for it, a signal sent to a process planned for it (C(SIGKILL 533 (python3))),
+      its reset (C(reset GPU 1)), or a stop or container stop in a container that held it (C(container_stop
+      container 101)); steps refused or not sent are in RV(actions) only.
+    - C(verdict) is C(free) or C(busy) once verified (with O(shared_gpu=own) on a node, free for the scope),
+      C(planned) or C(nothing to do) in check mode, or C(not released) when the task stopped before the ladder
+      (a refusal, a lock, NVML; C(msg) says why).
+    - C(planned) lists the pids of RV(plan) pinned to it.
+  returned: always
+  type: list
+  elements: dict
+  sample: [{"index": 0, "uuid": "GPU-5d3c6a9e-2f0b-5a43-9f1e-6c2d7b1e4a10", "rung": "sigkill",
+            "signals": ["SIGTERM 533 (python3)", "SIGKILL 533 (python3)"], "verdict": "free", "planned": [533]}]
 reads:
   description:
     - How the GPUs were read while the release waited. C(full) counts full reads (NVML and a walk of C(/proc));
@@ -817,24 +842,22 @@ import signal
 import time
 import traceback
 
-from ansible.module_utils.basic import AnsibleModule, env_fallback
+from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import (
-    GPU_COMMON_ARGS, GPU_READ_ARGS, check_common_params, check_libraries, check_numbers, check_shm_prefixes, engine_from_params,
-    no_gpu_message,
-)
+from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import engine_from_params, no_gpu_message, view_of
 from ansible_collections.gpuops.fleet.plugins.module_utils import _decide as decide
 from ansible_collections.gpuops.fleet.plugins.module_utils import _hardstop as hardstop
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils import _outcome as outcome
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
-from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import view_of
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
+from ansible_collections.gpuops.fleet.plugins.module_utils._params import (
+    RELEASE_PACKAGES, ReleaseOptions, check_release_params, flat_params, release_spec, validate_libraries,
+)
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import (
-    HAS_PSUTIL, PSUTIL_IMPORT_ERROR, ReleaseTimeout, backstop_result, left_changed_words, release,
+    ReleaseTimeout, backstop_result, left_changed_words, release,
 )
-from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import (
-    Protect, SelectorError, compile_regex,
-)
+from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import SelectorError
 
 BACKSTOP_S = 5.0  # the hard alarm fires this long after `timeout`, should a wait overrun it
 
@@ -888,144 +911,111 @@ def check_scope(module, params):
     return None
 
 
-# gpu_release's advanced options: how it reads, waits and cleans up, given in the advanced dict only.
-ADVANCED_ARGS = dict(GPU_READ_ARGS)
-ADVANCED_ARGS.update(
-    verify_timeout=dict(type="float", default=30.0),
-    lock_timeout=dict(type="float", default=60.0),
-    timeout=dict(type="float", default=180.0),
-    collateral_tolerance_mib=dict(type="int", default=640),
-    reset_blockers=dict(type="str", choices=["refuse", "stop_services"], default="refuse"),
-    reset_timeout=dict(type="float", default=120.0),
-    container_timeout=dict(type="float", default=60.0),
-    stop_found_units=dict(type="bool", default=False),
-    stop_timeout=dict(type="float", default=60.0),
-    stop_concurrency=dict(type="int", default=4),
-    clean_shm=dict(type="bool", default=False),
-    shm_prefixes=dict(type="list", elements="str", default=[]),
-)
+def read_options(module, params):
+    """The release's options (ReleaseOptions), after the checks that need no library and no GPU."""
+    scope = check_scope(module, params)
+    try:
+        return ReleaseOptions.from_params(params, scope=scope)
+    except (ValueError, SelectorError) as exc:
+        module.fail_json(msg=str(exc))
+    return None  # not reached: fail_json exits
 
 
-def flatten_advanced(module):
-    """The options as one flat dict, each advanced one from the advanced dict (its default when not given); and how
-    each is spelled, for error messages ({name: 'advanced.NAME'})."""
-    params = dict(module.params)
-    advanced = params["advanced"] or {}
-    labels = {}
-    for name, spec in ADVANCED_ARGS.items():
-        labels[name] = "advanced." + name
-        params[name] = advanced.get(name, spec.get("default"))
-    return params, labels
+def leave_out_locked(opts):
+    """On a node: the containers whose config carries a lock (backup, migrate, snapshot) leave the scope, each with
+    its reason in skipped_containers; the task fails naming them once the others are released."""
+    scope = opts.scope
+    if scope is None or not scope.containers or view_of() != "node":
+        return opts
+    skipped = node.locked_containers(sorted(scope.containers, key=int))
+    if not skipped:
+        return opts
+    kept = node.Scope([c for c in scope.containers if c not in skipped], scope.host_processes)
+    return opts.replace(scope=kept, skipped_containers=skipped)
 
 
-def argument_spec():
-    """The module's argument spec: the short public set, the advanced dict and the Proxmox API credentials."""
-    return dict(
-        gpus=GPU_COMMON_ARGS["gpus"],
-        match=dict(type="str"),
-        protect=dict(type="list", elements="str", default=[]),
-        containers=dict(type="list", elements="int", default=[]),
-        host_processes=dict(type="bool", default=False),
-        shared_gpu=dict(type="str", default="own", choices=["all", "own"]),
-        term_timeout=dict(type="float", default=10.0),
-        kill_timeout=dict(type="float", default=10.0),
-        gpu_reset=dict(type="bool", default=False),
-        container_restart=dict(type="bool", default=False),
-        collateral=dict(type="str", default="refuse", choices=["refuse", "stop"]),
-        advanced=dict(type="dict", default={}, apply_defaults=True, options=ADVANCED_ARGS),
-        api_host=dict(type="str", fallback=(env_fallback, ["PROXMOX_HOST"])),
-        api_port=dict(type="int", fallback=(env_fallback, ["PROXMOX_PORT"])),
-        api_user=dict(type="str", fallback=(env_fallback, ["PROXMOX_USER"])),
-        api_password=dict(type="str", no_log=True, fallback=(env_fallback, ["PROXMOX_PASSWORD"])),
-        api_token_id=dict(type="str", no_log=False, fallback=(env_fallback, ["PROXMOX_TOKEN_ID"])),
-        api_token_secret=dict(type="str", no_log=True, fallback=(env_fallback, ["PROXMOX_TOKEN_SECRET"])),
-        validate_certs=dict(type="bool", fallback=(env_fallback, ["PROXMOX_VALIDATE_CERTS"])),
-        ca_path=dict(type="path", fallback=(env_fallback, ["PROXMOX_CA_PATH"])),
-        api_timeout=dict(type="int", fallback=(env_fallback, ["PROXMOX_API_TIMEOUT"])),
-    )
+def start_engine(module, engine, gpus):
+    """Open NVML and select the targeted GPUs; fails the task, nothing signalled, when that cannot be done."""
+    try:
+        engine.start()
+    except NvmlFailure as exc:
+        module.fail_json(msg="NVML cannot be used on this host, nothing was signalled: %s" % exc.message,
+                         changed=False, diagnosis=[exc.message])
+    try:
+        targets = engine.select(gpus)
+    except SelectorError as exc:
+        module.fail_json(msg=str(exc), changed=False)
+    no_gpu = no_gpu_message(engine, targets)
+    if no_gpu:
+        module.fail_json(msg=no_gpu + "; nothing was signalled", changed=False)
+    return targets
+
+
+def with_restart_backend(module, params, opts):
+    """With container_restart: the container rung's backend (the Proxmox API, proxmoxer validated, or pct)."""
+    if not params["container_restart"]:
+        return opts
+    try:
+        api = restart.api_credentials(params)
+        if api:
+            restart.load_proxmoxer()
+            validate_libraries(module, ["proxmoxer"])
+        return opts.replace(restart_backend=restart.backend_for(api))
+    except restart.RestartError as exc:
+        module.fail_json(msg="%s; nothing was signalled" % exc, changed=False)
+    return None  # not reached: fail_json exits
+
+
+def fail_unfinished(module, exc, params, started, progress):
+    """A hard stop (ReleaseTimeout) or an unexpected error: what was done so far, after any restore still due."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    trace = traceback.format_exc()
+    kept = backstop_result(progress)   # runs any restore still registered first
+    if isinstance(exc, ReleaseTimeout):
+        module.fail_json(msg="%s (timeout %ss); the state is unknown, run gpuops.fleet.gpu_info%s"
+                         % (exc, params["timeout"], _left_changed_words(kept)),
+                         elapsed_s=round(time.monotonic() - started, 3), **kept)
+    module.fail_json(msg="gpu_release failed: %s%s" % (exc, _left_changed_words(kept)), exception=trace, **kept)
+
+
+def finish(module, opts, failed, msg, result):
+    """Exit with the result, its per-GPU and per-container shape added; a container left out fails the task."""
+    skipped = opts.skipped_containers
+    if skipped:
+        failed = True
+        msg = "%s; left out: %s" % (msg, "; ".join(skipped[v] for v in sorted(skipped, key=int)))
+    outcome.add_shape(result, module.check_mode)
+    if failed:
+        module.fail_json(msg=msg, **result)
+    module.exit_json(msg=msg, **result)
 
 
 def main():
-    module = AnsibleModule(argument_spec=argument_spec(), supports_check_mode=True)
+    module = AnsibleModule(argument_spec=release_spec(), supports_check_mode=True)
     started = time.monotonic()
-    params, labels = flatten_advanced(module)
-
+    params, labels = flat_params(module.params)
     # bad input fails before NVML is even opened
-    check_numbers(module, ["term_timeout", "kill_timeout", "verify_timeout", "lock_timeout", "reset_timeout",
-                           "collateral_tolerance_mib"], labels=labels, params=params)
-    check_numbers(module, ["timeout", "container_timeout", "stop_timeout"], strict=True, labels=labels, params=params)
-    check_numbers(module, ["stop_concurrency"], minimum=1, labels=labels, params=params)
-    patterns = check_common_params(module, labels, params)
-    prefixes = check_shm_prefixes(module, params, labels["shm_prefixes"])
-    scope = check_scope(module, params)
-    try:
-        match = compile_regex(params["match"], "match") if params["match"] is not None else None
-        protect = Protect(params["protect"])
-    except (ValueError, SelectorError) as exc:
-        module.fail_json(msg=str(exc))
-    check_libraries(module, [(HAS_PSUTIL, "psutil", "psutil", PSUTIL_IMPORT_ERROR)])
-    skipped = {}
-    if scope is not None and scope.containers and view_of() == "node":
-        skipped = node.locked_containers(sorted(scope.containers, key=int))
-        if skipped:
-            scope = node.Scope([c for c in scope.containers if c not in skipped], scope.host_processes)
+    patterns = check_release_params(module, params, labels)
+    opts = read_options(module, params)
+    validate_libraries(module, RELEASE_PACKAGES)
+    opts = leave_out_locked(opts)
 
     deadline = started + params["timeout"]
     signal.signal(signal.SIGALRM, _backstop)
     signal.setitimer(signal.ITIMER_REAL, params["timeout"] + BACKSTOP_S)
-
     engine = engine_from_params(params, patterns)
-    nvml = engine.nvml
     progress = {}
     try:
-        try:
-            engine.start()
-        except NvmlFailure as exc:
-            module.fail_json(msg="NVML cannot be used on this host, nothing was signalled: %s" % exc.message,
-                             changed=False, diagnosis=[exc.message])
-        try:
-            targets = engine.select(params["gpus"])
-        except SelectorError as exc:
-            module.fail_json(msg=str(exc), changed=False)
-        no_gpu = no_gpu_message(engine, targets)
-        if no_gpu:
-            module.fail_json(msg=no_gpu + "; nothing was signalled", changed=False)
-        names = ("term_timeout", "kill_timeout", "verify_timeout", "gpu_reset", "reset_timeout", "lock_timeout", "timeout",
-                 "collateral", "collateral_tolerance_mib", "reset_blockers")
-        options = dict((k, params[k]) for k in names)
-        # a reset is for memory no process holds, which own never counts: it is about the whole GPU
-        shared_gpu = "all" if params["gpu_reset"] else params["shared_gpu"]
-        options.update(match=match, protect=protect, scope=scope, shared_gpu=shared_gpu,
-                       container_restart=params["container_restart"], container_timeout=params["container_timeout"],
-                       stop_found_units=params["stop_found_units"], stop_timeout=params["stop_timeout"],
-                       stop_concurrency=params["stop_concurrency"], skipped_containers=skipped,
-                       shm_prefixes=prefixes if params["clean_shm"] else None)
-        if params["container_restart"]:
-            try:
-                options["restart_backend"] = restart.backend_for(restart.api_credentials(params))
-            except restart.RestartError as exc:
-                module.fail_json(msg="%s; nothing was signalled" % exc, changed=False)
-        failed, msg, result = release(engine, targets, options, check_mode=module.check_mode, log=module.log,
+        targets = start_engine(module, engine, params["gpus"])
+        opts = with_restart_backend(module, params, opts)
+        # release() takes the options as a dict until it takes the ReleaseOptions itself (issue 46, slice "cut")
+        failed, msg, result = release(engine, targets, opts.as_dict(), check_mode=module.check_mode, log=module.log,
                                       deadline=deadline, progress=progress)
-    except ReleaseTimeout as exc:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        kept = backstop_result(progress)   # runs any restore still registered first
-        module.fail_json(msg="%s (timeout %ss); the state is unknown, run gpuops.fleet.gpu_info%s"
-                         % (exc, params["timeout"], _left_changed_words(kept)),
-                         elapsed_s=round(time.monotonic() - started, 3), **kept)
-    except Exception as exc:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        trace = traceback.format_exc()
-        kept = backstop_result(progress)
-        module.fail_json(msg="gpu_release failed: %s%s" % (exc, _left_changed_words(kept)), exception=trace, **kept)
+    except Exception as exc:  # ReleaseTimeout (the hard stop) included; fail_json's SystemExit is no Exception
+        fail_unfinished(module, exc, params, started, progress)
     signal.setitimer(signal.ITIMER_REAL, 0)
-    nvml.shutdown()
-    if skipped:
-        failed = True
-        msg = "%s; left out: %s" % (msg, "; ".join(skipped[v] for v in sorted(skipped, key=int)))
-    if failed:
-        module.fail_json(msg=msg, **result)
-    module.exit_json(msg=msg, **result)
+    engine.nvml.shutdown()
+    finish(module, opts, failed, msg, result)
 
 
 if __name__ == "__main__":

@@ -115,6 +115,12 @@ def test_match_selects_among_holders(clean):
     assert not host_alive(target["holders"][0]) and host_alive(keep["holders"][0])
     assert lab.used(0) == 0 and lab.used(1) == 512
     assert signalled_pids(play) == {target["container_holders"][0]}
+    # issue 46: the result's per-GPU shape, inside a container: the signalled GPU freed, the excluded one busy
+    freed, kept = sorted(play["per_gpu"], key=lambda g: g["index"])
+    assert freed["verdict"] == "free" and freed["rung"] in ("sigterm", "sigkill"), freed
+    assert freed["signals"][0].startswith("SIGTERM %d (" % target["container_holders"][0]), freed
+    assert freed["planned"] == [target["container_holders"][0]] and play["per_container"] == []
+    assert kept == dict(kept, verdict="busy", rung="none", signals=[], planned=[]), kept
 
 
 def test_stuck_holder_is_diagnosed_and_reset_refused(clean):

@@ -153,10 +153,16 @@ def test_node_release_scoped_to_one_container_stops_only_its_holder(clean):
     entry = play["per_container"][0]
     assert entry["verdict"] == "free" and entry["note"] == "this container's share is free; 700 MiB are held by others"
     assert entry["gpus"][0]["others_mib"] == 700, entry
+    # issue 46: the same per-GPU shape as inside a container, and the container's own rung and signals
+    shaped = play["per_gpu"][0]
+    assert shaped["verdict"] == "free" and shaped["rung"] in ("sigterm", "sigkill"), shaped
+    assert shaped["signals"][0].startswith("SIGTERM %d (" % node_pid(a)) and shaped["planned"] == [node_pid(a)]
+    assert entry["rung"] == shaped["rung"] and entry["signals"] == shaped["signals"], (entry, shaped)
     # shared_gpu: all waits for the whole GPU: B keeps it busy, and B is never signalled
     whole = clean.direct("pve1", "gpu_release", dict(FAST, gpus=["0"], containers=[101], shared_gpu="all"))
     assert whole.failed and whole["actions"] == [] and "not free" in whole["msg"], whole
     assert whole["before"][0]["by_container"] == {"102": 700} and host_alive(b["holders"][0])
+    assert whole["per_gpu"][0] == dict(whole["per_gpu"][0], verdict="busy", rung="none", signals=[], planned=[])
 
 
 @pytest.mark.timing

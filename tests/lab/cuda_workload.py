@@ -127,7 +127,7 @@ def allocate(args, devices=None, gib=None, sync_current=False):
 
 
 def lab_context(args, gib):
-    """The lab driver's context (docs/design.md): open, shared flock, map, then tell the daemon."""
+    """The lab driver's context (tests/lab/README.md, "The fake driver"): open, shared flock, map, then tell the daemon."""
     import fcntl
     import socket
     libc = ctypes.CDLL(None, use_errno=True)

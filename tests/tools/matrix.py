@@ -25,7 +25,8 @@ import run_all
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VERSIONS = ("2.16", "2.17", "2.18", "2.19", "2.20")
 PICK_PYTHON = os.path.join(REPO, "tests", "tools", "pick_python.sh")
-DEV_PACKAGES = ("pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6", "voluptuous", "pyyaml")
+DEV_PACKAGES = ("pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6", "voluptuous", "pyyaml",
+                "pylint==4.0.5")   # pylint: the size checks of tests/unit/packaging/test_size_limits.py
 CELLS = ("unit", "connection", "role", "sanity")
 
 
@@ -55,7 +56,7 @@ def venv_for(version):
     stamp = os.path.join(root, ".stamp")
     interpreter = python_for(version)
     core = "ansible-core==%s.*" % version
-    wanted = "%s on %s" % (core, interpreter)
+    wanted = "%s on %s with %s" % (core, interpreter, " ".join(DEV_PACKAGES))   # a new package builds it again
     if not (os.path.exists(stamp) and open(stamp).read() == wanted):
         shutil.rmtree(root, ignore_errors=True)
         subprocess.run([interpreter, "-m", "venv", root], check=True)

@@ -7,7 +7,7 @@ an allocation's memory and NVML entry stay FREE_DELAY_S after the kernel drops
 the last reference (fd, inherited fd, mmap), then vanish (GPU_FACTS rows 2, 3).
 Linked TP ranks leave residue on a dead rank's GPU while a peer lives (row 19);
 an IPC importer takes over a dead exporter's memory (row 17).
-See docs/design.md, "The fake driver".
+See tests/lab/README.md, "The fake driver".
 """
 
 import argparse

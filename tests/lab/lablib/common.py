@@ -40,7 +40,7 @@ def address_digits(rid):
 
 
 def node_address(rid, node_number):
-    """127.A.B.N from the run id (design.md "Identity and isolation")."""
+    """127.A.B.N from the run id (tests/lab/README.md, "What a lab is")."""
     digits = address_digits(rid)
     return "127.%d.%d.%d" % (1 + int(digits[0:2], 16) % 254, int(digits[2:4], 16), node_number)
 

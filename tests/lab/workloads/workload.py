@@ -7,7 +7,7 @@ A CUDA process opens and maps the node of every GPU visible to it (GPU_FACTS row
 - a GPU only visible: 2 x nvidiaM, each mmapped (2 map lines), no flock, no alloc;
 - a GPU hidden by CUDA_VISIBLE_DEVICES: one fd, no mapping.
 The visible GPUs are the /dev/nvidiaM files present, in the driver's NVML index order.
-Each scenario reproduces rows of GPU_FACTS.md; see docs/design.md, "Workloads".
+Each scenario reproduces rows of GPU_FACTS.md; see tests/lab/README.md, "Workloads".
 
 Without --foreground the first process forks the workload (new session),
 prints one JSON line once every context is allocated, and exits.

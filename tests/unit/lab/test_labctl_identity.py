@@ -1,4 +1,4 @@
-"""Run id, loopback addresses and names of the lab (design.md "Identity and isolation")."""
+"""Run id, loopback addresses and names of the lab (tests/lab/README.md, "What a lab is")."""
 
 import hashlib
 import os

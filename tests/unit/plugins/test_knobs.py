@@ -13,6 +13,7 @@ from ansible.module_utils.common.arg_spec import ArgumentSpecValidator
 from ansible.module_utils.errors import UnsupportedError
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils import _params as params_mod
 from ansible_collections.gpuops.fleet.plugins.module_utils._release import held_by_others_mib, share_words
 from ansible_collections.gpuops.fleet.plugins.modules import gpu_release
 
@@ -30,16 +31,16 @@ def documented_options():
 def test_gpu_release_documents_the_short_set_and_advanced_only():
     options = documented_options()
     advanced = set(options["advanced"]["suboptions"])
-    assert advanced == set(gpu_release.ADVANCED_ARGS)
+    assert advanced == set(params_mod.ADVANCED_ARGS)
     # issue 45: no deprecated copy is left; with gpus and the credentials from the doc fragments, the top level is the
     # short public set
     assert not [k for k, v in options.items() if "deprecated" in str(v["description"]).lower()], sorted(options)
     assert set(options) == PUBLIC - {"gpus"}
-    assert not advanced & set(gpu_release.argument_spec()), "an advanced key is also a top-level option"
-    assert "proxmox_api" not in gpu_release.argument_spec()
+    assert not advanced & set(params_mod.release_spec()), "an advanced key is also a top-level option"
+    assert "proxmox_api" not in params_mod.release_spec()
     for name in advanced:
         sub = options["advanced"]["suboptions"][name]
-        assert sub.get("default") == gpu_release.ADVANCED_ARGS[name].get("default"), name
+        assert sub.get("default") == params_mod.ADVANCED_ARGS[name].get("default"), name
 
 
 class _Module(object):
@@ -49,10 +50,10 @@ class _Module(object):
 
 def test_flatten_advanced_takes_the_dict_and_its_defaults():
     params = {"advanced": {"verify_timeout": 5.0, "clean_shm": True}}
-    flat, labels = gpu_release.flatten_advanced(_Module(params))
+    flat, labels = params_mod.flat_params(_Module(params).params)
     assert flat["verify_timeout"] == 5.0 and flat["clean_shm"] is True
     assert flat["timeout"] == 180.0 and labels["timeout"] == "advanced.timeout"
-    assert set(labels.values()) == set("advanced." + k for k in gpu_release.ADVANCED_ARGS)
+    assert set(labels.values()) == set("advanced." + k for k in params_mod.ADVANCED_ARGS)
     assert "timeout" not in params, "module.params (the task's invocation) keeps what was given"
 
 
@@ -61,7 +62,7 @@ def test_flatten_advanced_takes_the_dict_and_its_defaults():
 def test_a_removed_spelling_is_an_unsupported_parameter(given):
     """Issue 45: the top-level copies of the advanced keys and the proxmox_api dict are gone; ansible's own
     validation of the module's argument spec refuses each, naming it."""
-    result = ArgumentSpecValidator(gpu_release.argument_spec()).validate(dict(given))
+    result = ArgumentSpecValidator(params_mod.release_spec()).validate(dict(given))
     unsupported = [e for e in result.errors if isinstance(e, UnsupportedError)]
     name = [k for k in given if k != "advanced"][0]
     assert len(unsupported) == 1 and name in str(unsupported[0]), [str(e) for e in result.errors]

@@ -9,12 +9,15 @@ PLUGINS = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "plugins")
 PREFIX = "ansible_collections.gpuops.fleet.plugins.module_utils"
 
 LAYERS = {
-    "read": ("_helperproc", "_procscan", "_nvml", "_pveconf", "_node", "_redact", "_selectors", "_access", "_mps", "_procnames"),
-    "evidence": ("_holder", "_lineage", "_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_shmplaces", "_report", "_diagnose", "_gpu_engine"),
+    "read": ("_helperproc", "_procread", "_procscan", "_nvml", "_nvmlhelper", "_pveconf", "_node", "_redact", "_selectors",
+             "_access", "_mps", "_deps", "_procnames"),
+    "evidence": ("_holder", "_lineage", "_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_shmplaces",
+                 "_report", "_diagnose", "_gpu_engine"),
     "decide": ("_decide",),
     "act": ("_hardstop", "_respawn", "_restart", "_units", "_locks", "_shmclean", "_release"),
+    "glue": ("_params", "_outcome"),   # the modules' options and result shape: above act, beside the modules
 }
-ORDER = ("read", "evidence", "decide", "act")
+ORDER = ("read", "evidence", "decide", "act", "glue")
 RANK = dict((name, ORDER.index(layer)) for layer, names in LAYERS.items() for name in names)
 
 
@@ -61,7 +64,7 @@ def test_a_file_imports_only_its_layer_or_lower(name):
 
 def test_read_only_gpu_status_depends_on_no_decision_or_signalling_code_and_not_on_psutil():
     ours, packages = closure(os.path.join(PLUGINS, "modules", "gpu_info.py"))
-    assert sorted(o for o in ours if RANK[o] >= ORDER.index("decide")) == []
+    assert sorted(o for o in ours if ORDER.index("decide") <= RANK[o] <= ORDER.index("act")) == []
     assert "psutil" not in packages
 
 

@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _procread as procread
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 
 from conftest import CTL, ctx
@@ -115,7 +116,7 @@ def test_a_dead_reader_is_replaced_once_and_never_read_around(proc, reader, monk
     reader.lanes[0].proc.wait()
     assert b"/dev/nvidia0" in procscan.read_bytes(path) and reader.started == 2
     reader.close()
-    monkeypatch.setattr(procscan, "READER_SOURCE", "import sys; sys.exit(0)")   # a reader that cannot answer
+    monkeypatch.setattr(procread, "READER_SOURCE", "import sys; sys.exit(0)")   # a reader that cannot answer
     with pytest.raises(OSError) as failed:
         procscan.read_bytes(path)
     assert failed.value.errno == errno.EIO and "failed twice" in str(failed.value) and reader.started == 4

@@ -9,7 +9,7 @@ A reset fails while anything has the GPU open; the driver's daemons hold every G
 
 from __future__ import annotations
 
-from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
+from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
 
 DAEMONS = ("nvidia-persistenced", "nv-hostengine", "dcgm-exporter", "nv-fabricmanager")
 MODES = ("refuse", "stop_services")
@@ -38,11 +38,11 @@ def plan(report, targets, readings, mode, all_gpus):
     for gpu in gpus:
         index = gpu["index"]
         for record in report.holders:
-            if record["pid"] not in daemon_pids and pinning.may_hold(record, index):
+            if record["pid"] not in daemon_pids and holder.may_hold(record, index):   # the reset guard: the upper bound
                 add("user_holder", "pid %d (%s) on GPU %d" % (record["pid"], record["name"], index), [index],
                     "signalled by the ladder before any reset")
         for record in report.clients:
-            if record["pid"] not in daemon_pids and gpu.get("minor") in record.get("fd_gpu_minors", ()):
+            if record["pid"] not in daemon_pids and holder.has_open(record, gpu.get("minor")):
                 add("nvml_client", "pid %d (%s) has GPU %d open (an NVML client, a monitor)" % (record["pid"], record["name"], index),
                     [index], "refused", "not a service and never signalled: stop it yourself")
         if readings.get("persistence", {}).get(index):

@@ -9,6 +9,7 @@ only the records of a Report (the evidence) and never /proc, NVML or a signal: t
 
 from __future__ import annotations
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils._selectors import matches
 
@@ -57,10 +58,11 @@ def reset_blockers(report, gpu, spared=()):
     a process whose read blocked while it had it open, and any client with it open (a real reset fails while any
     process has the GPU open). spared: pids that will be stopped before the reset (the daemons' services).
     New records: the evidence is left as it is."""
-    out = [h for h in report.holders if pinning.may_hold(h, gpu["index"])]
+    # the reset guard asks the upper bound (may_hold): a reset under a live context loses that work
+    out = [h for h in report.holders if holder.may_hold(h, gpu["index"])]
     out += [dict(b, blocked_threads=[{"wchan": "%s (unreadable: blocked)" % (b.get("wchan") or "?")}])
             for b in report.unreadable if b["pid"] in gpu.get("blocked", ())]
-    out += [dict(c, blocked_threads=[]) for c in report.clients if gpu["minor"] in c["fd_gpu_minors"]]
+    out += [dict(c, blocked_threads=[]) for c in report.clients if holder.has_open(c, gpu["minor"])]
     return [b for b in out if b["pid"] not in spared]
 
 
@@ -100,13 +102,14 @@ def generic_unit(name):
 
 def _may_hold_untargeted(record, indexes, targets, planned, tolerance_mib):
     """The untargeted GPUs a member would lose work on: of a planned holder, its shares over the tolerance (its
-    decision allowed the rest); of anything else, every untargeted GPU it may hold (pinning.may_hold), with no
+    decision allowed the rest); of anything else, every untargeted GPU it may hold (_holder.may_hold), with no
     tolerance: its only work may be small. Either way the GPUs NVML cannot describe. [(index or 'minor N', MiB)]."""
     if record["pid"] in planned:
         out = list(pinning.untargeted_shares(record, targets, tolerance_mib)[0])
         out += [(i, None) for i in record["ambiguous_gpus"] if i not in targets]   # an unknown share of its memory
     else:
-        out = [(i, record["shares_mib"].get(i)) for i in indexes if i not in targets and pinning.may_hold(record, i)]
+        # collateral (the restart rung's too) asks the upper bound (may_hold): a wrong "no" stops work unasked
+        out = [(i, record["shares_mib"].get(i)) for i in indexes if i not in targets and holder.may_hold(record, i)]
     return out + [("minor %d" % m, None) for m in record.get("unknown_gpus") or ()]
 
 
@@ -228,127 +231,167 @@ class Decision(object):
     """Who gets signalled, who is left alone and why, and what would stop the task before any signal."""
 
     def __init__(self):
-        self.to_signal = []     # records, each with "_why"
+        self.chosen = []        # (holder, why) pairs by pid; why: pinned, unpinned_all_mapped, job_residue, job_member
         self.skipped = []       # {pid, name, reason}
         self.refusals = []      # messages; any of them fails the task before a signal
         self.refused_pids = []  # per refusal, the pids it is about (a node-side release leaves their containers out)
         self.jobs = {}          # job id -> {"id", "pids", "gpus"} of the jobs touched
         self.protected = {}     # pid -> why, of the holders of a targeted GPU left alone by protect, match or pid 1
 
+    @property
+    def to_signal(self):
+        """The holders to signal, by pid (the evidence records themselves, never written into)."""
+        return [record for record, dummy in self.chosen]
+
+    def why_of(self, pid):
+        """Why pid is signalled (chosen's why), or None when it is not."""
+        for record, why in self.chosen:
+            if record["pid"] == pid:
+                return why
+        return None
+
     def refuse(self, msg, pids):
         self.refusals.append(msg)
         self.refused_pids.append(sorted(set(pids)))
+
+
+class _Chooser(object):
+    """The holders chosen so far ({pid: (holder, why)}) and the rules that leave one alone (protect, match, scope)."""
+
+    def __init__(self, decision, match, protect, protect_pids, scope):
+        self.decision, self.chosen = decision, {}
+        self.match, self.protect, self.protect_pids, self.scope = match, protect, protect_pids, scope
+
+    def consider(self, record, why):
+        """Choose record for why unless a rule leaves it alone (then it is skipped); True when chosen."""
+        protected = _protected_reason(record, self.match, self.protect, self.protect_pids)
+        reason = protected or (self.scope.reason(record) if self.scope else None)
+        if reason:
+            self.decision.skipped.append(_skip(record, reason))
+            if protected:
+                self.decision.protected[record["pid"]] = protected
+            return False
+        self.chosen[record["pid"]] = (record, why)
+        return True
+
+    def record(self, pid):
+        return self.chosen[pid][0]
 
 
 def decide(report, targets, all_gpu_indexes, match=None, protect=None, protect_pids=(), collateral="refuse",
            tolerance_mib=pinning.DEFAULT_TOLERANCE_MIB, scope=None):
     """Split the holders of the targeted GPUs into those to signal and those left alone, with collateral checks.
 
-    Pure: works on a Report's records, so it can be tested on recorded states.
+    Pure: reads a Report's records (the evidence) and never writes into them or into the report; the Decision it
+    returns carries (holder, why) pairs (chosen), so it can be tested on recorded states.
     """
     targets = set(targets)
-    all_targeted = set(all_gpu_indexes) <= targets
-    residue_jobs = set(job for index, job in report.residue.items() if index in targets)
     decision = Decision()
-    chosen = {}
+    chooser = _Chooser(decision, match, protect, protect_pids, scope)
+    _choose_holders(report, targets, set(all_gpu_indexes) <= targets, chooser)
+    in_job_refusal = set()
+    for job_id in sorted(set(r["job"] for r, dummy in chooser.chosen.values() if r["job"] is not None)):
+        in_job_refusal.update(_job_step(report, job_id, targets, collateral, tolerance_mib, chooser))
+    _mps_servers_last(report, chooser.chosen, decision)
+    unknown_index = dict((u["minor"], u["index"]) for u in getattr(report, "unknown_gpus", ()))
+    if collateral != "stop":
+        for record, dummy in sorted(chooser.chosen.values(), key=lambda pair: pair[0]["pid"]):
+            if record["pid"] not in in_job_refusal:
+                _collateral_refusal(record, targets, tolerance_mib, unknown_index, decision)
+    decision.chosen = sorted(chooser.chosen.values(), key=lambda pair: pair[0]["pid"])
+    return decision
 
-    def consider(record, why):
-        protected = _protected_reason(record, match, protect, protect_pids)
-        reason = protected or (scope.reason(record) if scope else None)
-        if reason:
-            decision.skipped.append(_skip(record, reason))
-            if protected:
-                decision.protected[record["pid"]] = protected
-            return False
-        record["_why"] = why
-        chosen[record["pid"]] = record
-        return True
 
+def _choose_holders(report, targets, all_targeted, chooser):
+    """Each holder that concerns the targets (pinning.relevance, or its job's residue on one) is chosen or skipped."""
+    residue_jobs = set(job for index, job in report.residue.items() if index in targets)
     for record in report.holders:
         why = pinning.relevance(record, targets, all_targeted)
         if why is None and record["job"] in residue_jobs:
             why = "job_residue"
         if why in ("ambiguous", "unpinned"):
-            decision.skipped.append(_skip(record, _unpinned_reason(record, why)))
+            chooser.decision.skipped.append(_skip(record, _unpinned_reason(record, why)))
         elif why:
-            consider(record, why)
-    in_job_refusal = set()
-    for job_id in sorted(set(r["job"] for r in chosen.values() if r["job"] is not None)):
-        job = report.jobs[job_id]
-        job_gpus = report.job_gpus(job_id)
-        decision.jobs[job_id] = {"id": job_id, "pids": job["pids"], "gpus": job_gpus, "signature": job["signature"]}
-        skipped_pids = dict((k["pid"], k["reason"]) for k in decision.skipped)
-        excluded = [m for m in job["members"] if m["pid"] in skipped_pids]
-        outside = [m for m in job["members"] if m["pid"] not in chosen and m["pid"] not in skipped_pids]
-        over = sorted(set(pair for m in job["members"] for pair in pinning.untargeted_shares(m, targets, tolerance_mib)[0]))
-        first = min(job["pids"])
-        members = ", ".join(str(p) for p in job["pids"])
-        picked = chosen[min(p for p in job["pids"] if p in chosen)]
-        if excluded:
-            in_job_refusal.update(job["pids"])
-            decision.refuse(
-                "pid %d (%s) belongs to the job of pid %d (pids %s; processes linked by sockets are one unit), but "
-                "pid %d (%s) of that job may not be signalled (%s): stopping part of a job leaves the rest hung; "
-                "nothing was signalled" % (picked["pid"], picked["name"], first, members, excluded[0]["pid"],
-                                           excluded[0]["name"], skipped_pids[excluded[0]["pid"]]), job["pids"])
-            continue
-        if not outside and not over:
-            continue
-        if collateral == "stop":
-            for member in outside:
-                if not consider(member, "job_member"):
-                    decision.refuse(
-                        "pid %d (%s) belongs to the job of pid %d (pids %s) but may not be signalled (%s): stopping "
-                        "part of a job leaves the rest hung; nothing was signalled"
-                        % (member["pid"], member["name"], first, members, decision.skipped[-1]["reason"]), job["pids"])
-            continue
-        in_job_refusal.update(job["pids"])
-        untargeted = sorted(set(i for i in job_gpus if i not in targets))
+            chooser.consider(record, why)
+
+
+def _job_step(report, job_id, targets, collateral, tolerance_mib, chooser):
+    """A job with a chosen member: all of it is stopped (collateral: stop) or the task is refused; returns the pids
+    of a refused job (their own collateral is not refused twice)."""
+    decision, chosen = chooser.decision, chooser.chosen
+    job = report.jobs[job_id]
+    job_gpus = report.job_gpus(job_id)
+    decision.jobs[job_id] = {"id": job_id, "pids": job["pids"], "gpus": job_gpus, "signature": job["signature"]}
+    skipped_pids = dict((k["pid"], k["reason"]) for k in decision.skipped)
+    excluded = [m for m in job["members"] if m["pid"] in skipped_pids]
+    outside = [m for m in job["members"] if m["pid"] not in chosen and m["pid"] not in skipped_pids]
+    over = sorted(set(pair for m in job["members"] for pair in pinning.untargeted_shares(m, targets, tolerance_mib)[0]))
+    first, members = min(job["pids"]), ", ".join(str(p) for p in job["pids"])
+    picked = chooser.record(min(p for p in job["pids"] if p in chosen))
+    if excluded:
         decision.refuse(
-            "pid %d (%s) is one of the processes of a job linked by sockets (pids %s; a tensor-parallel job is one "
-            "unit) that holds GPUs %s; %s not targeted%s: stopping part of it leaves the rest hung and residue on the "
-            "targeted GPUs; nothing was signalled. To go on, set collateral: stop (stops the whole job), or target "
-            "%s too"
-            % (min(p for p in job["pids"] if p in chosen), chosen[min(p for p in job["pids"] if p in chosen)]["name"],
-               ", ".join(str(p) for p in job["pids"]), ", ".join(str(i) for i in job_gpus),
-               gpu_list_words(untargeted), " (%s)" % mib_list(over) if over else "", gpu_list_words(untargeted)),
-            job["pids"])
-    _mps_servers_last(report, chosen, decision)
-    unknown_index = dict((u["minor"], u["index"]) for u in getattr(report, "unknown_gpus", ()))
-    for record in sorted(chosen.values(), key=lambda r: r["pid"]):
-        unknown = [m for m in record.get("unknown_gpus") or () if unknown_index.get(m) not in targets]
-        if unknown and collateral != "stop" and record["pid"] not in in_job_refusal:
-            decision.refuse(
-                "pid %d (%s) also has a context on %s, which NVML cannot describe (lost, or its calls fail): "
-                "stopping it would free an unknown amount there, and maybe stop its work; nothing was signalled. "
-                "To go on, set collateral: stop" % (record["pid"], record["name"], unknown_words(unknown, unknown_index)),
-                [record["pid"]])
-            continue
-        ambiguous = [i for i in record["ambiguous_gpus"] if i not in targets]
-        if ambiguous and collateral != "stop" and record["pid"] not in in_job_refusal:
-            words = gpu_list_words(ambiguous)
-            decision.refuse(
-                "pid %d (%s) also has a context on %s, where NVML's memory fits more than one holder (ambiguous): "
-                "stopping it may free an unknown amount there, and stop its work; nothing was signalled. To go on, "
-                "set collateral: stop, or target %s too" % (record["pid"], record["name"], words, words), [record["pid"]])
-            continue
-        over, dummy = pinning.untargeted_shares(record, targets, tolerance_mib)
-        if over and collateral != "stop" and record["pid"] not in in_job_refusal:
-            decision.refuse(
-                "pid %d (%s) holds %s, which %s not targeted, beyond the %d MiB of a bare context "
-                "(collateral_tolerance_mib): stopping it would stop its work there; nothing was signalled. To go on, "
-                "set collateral: stop, or target %s too"
-                % (record["pid"], record["name"], mib_list(over), "is" if len(over) == 1 else "are", tolerance_mib,
-                   gpu_list_words([i for i, dummy in over])), [record["pid"]])
-    decision.to_signal = sorted(chosen.values(), key=lambda r: r["pid"])
-    return decision
+            "pid %d (%s) belongs to the job of pid %d (pids %s; processes linked by sockets are one unit), but "
+            "pid %d (%s) of that job may not be signalled (%s): stopping part of a job leaves the rest hung; "
+            "nothing was signalled" % (picked["pid"], picked["name"], first, members, excluded[0]["pid"],
+                                       excluded[0]["name"], skipped_pids[excluded[0]["pid"]]), job["pids"])
+        return job["pids"]
+    if not outside and not over:
+        return ()
+    if collateral == "stop":
+        for member in outside:
+            if not chooser.consider(member, "job_member"):
+                decision.refuse(
+                    "pid %d (%s) belongs to the job of pid %d (pids %s) but may not be signalled (%s): stopping "
+                    "part of a job leaves the rest hung; nothing was signalled"
+                    % (member["pid"], member["name"], first, members, decision.skipped[-1]["reason"]), job["pids"])
+        return ()
+    untargeted = sorted(set(i for i in job_gpus if i not in targets))
+    decision.refuse(
+        "pid %d (%s) is one of the processes of a job linked by sockets (pids %s; a tensor-parallel job is one "
+        "unit) that holds GPUs %s; %s not targeted%s: stopping part of it leaves the rest hung and residue on the "
+        "targeted GPUs; nothing was signalled. To go on, set collateral: stop (stops the whole job), or target "
+        "%s too"
+        % (picked["pid"], picked["name"], members, ", ".join(str(i) for i in job_gpus),
+           gpu_list_words(untargeted), " (%s)" % mib_list(over) if over else "", gpu_list_words(untargeted)),
+        job["pids"])
+    return job["pids"]
+
+
+def _collateral_refusal(record, targets, tolerance_mib, unknown_index, decision):
+    """Refuse a chosen holder (collateral: refuse) whose stop would take untargeted work: a context on a GPU NVML
+    cannot describe or an ambiguous one (where it may hold work: the upper bound), or a pinned share over the
+    tolerance (what it holds there)."""
+    unknown = [m for m in record.get("unknown_gpus") or () if unknown_index.get(m) not in targets]
+    if unknown:
+        decision.refuse(
+            "pid %d (%s) also has a context on %s, which NVML cannot describe (lost, or its calls fail): "
+            "stopping it would free an unknown amount there, and maybe stop its work; nothing was signalled. "
+            "To go on, set collateral: stop" % (record["pid"], record["name"], unknown_words(unknown, unknown_index)),
+            [record["pid"]])
+        return
+    ambiguous = [i for i in record["ambiguous_gpus"] if i not in targets]
+    if ambiguous:
+        words = gpu_list_words(ambiguous)
+        decision.refuse(
+            "pid %d (%s) also has a context on %s, where NVML's memory fits more than one holder (ambiguous): "
+            "stopping it may free an unknown amount there, and stop its work; nothing was signalled. To go on, "
+            "set collateral: stop, or target %s too" % (record["pid"], record["name"], words, words), [record["pid"]])
+        return
+    over, dummy = pinning.untargeted_shares(record, targets, tolerance_mib)
+    if over:
+        decision.refuse(
+            "pid %d (%s) holds %s, which %s not targeted, beyond the %d MiB of a bare context "
+            "(collateral_tolerance_mib): stopping it would stop its work there; nothing was signalled. To go on, "
+            "set collateral: stop, or target %s too"
+            % (record["pid"], record["name"], mib_list(over), "is" if len(over) == 1 else "are", tolerance_mib,
+               gpu_list_words([i for i, dummy in over])), [record["pid"]])
 
 
 def _mps_servers_last(report, chosen, decision):
     """An MPS server is a set: itself and every client it serves. It is signalled only when each of its clients is
     signalled too (or gone), whatever its own share: killing it under a live client leaves that client's work
     undefined (GPU_FACTS row 28). A server whose clients cannot be known is never signalled."""
-    for record in [r for r in chosen.values() if r.get("mps_role") == "server"]:
+    for record in [r for r, dummy in chosen.values() if r.get("mps_role") == "server"]:
         reason = mps_server_refusal(report, record, chosen)
         if reason:
             del chosen[record["pid"]]
@@ -423,7 +466,7 @@ def _skip(record, reason):
 def plan_entry(record, targets, decision, tolerance_mib):
     """One line of the plan: whom, for which targeted GPUs, what else it frees, and its job."""
     targets = set(targets)
-    why = record.get("_why")
+    why = decision.why_of(record["pid"])
     if why == "pinned":
         gpus = sorted(targets & set(record["gpus"]))
     elif why == "unpinned_all_mapped":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import signal
 import time
 
-from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
+from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _respawn as respawn
 from ansible_collections.gpuops.fleet.plugins.module_utils import _restart as restart
 from ansible_collections.gpuops.fleet.plugins.module_utils import _rungs as rungs
@@ -266,7 +266,7 @@ class Releaser(object):
         self.jobs = decision.jobs
         self._known_pids = set(r["pid"] for r in report.holders) | set(r["pid"] for r in report.clients)
         uuid_of = dict((g["index"], g.get("uuid")) for g in self.engine.gpus)
-        self._ranks = [[(m["pid"], m["starttime_ticks"], dict((uuid_of.get(i), mib) for i, mib in m["shares_mib"].items()))
+        self._ranks = [[holder.ident_of(m) + (dict((uuid_of.get(i), mib) for i, mib in m["shares_mib"].items()),)
                         for m in job["members"]] for job in report.jobs.values()]
         self.plan = [plan_entry(r, self.targets, decision, self.opts.collateral_tolerance_mib) for r in self.to_signal]
         planned = set(r["pid"] for r in self.to_signal)
@@ -337,7 +337,7 @@ class Releaser(object):
         out = []
         for vmid in sorted(self.scope.containers, key=int):
             holders = [h for h in report.holders if h.get("container") == vmid]
-            gpus = set(g["index"] for g in self.engine.gpus for h in holders if pinning.may_hold(h, g["index"]))
+            gpus = set(g["index"] for g in self.engine.gpus for h in holders if holder.may_hold(h, g["index"]))
             held_mib = sum((g.get("by_container") or {}).get(vmid, 0) for g in report.gpus)
             if not (gpus & set(self.targets)) and held_mib <= self.engine.threshold_mib:
                 continue
@@ -367,7 +367,7 @@ class Releaser(object):
         out = []
         for record in list(self.to_signal) + list(self.signalled.values()):
             now = report.holder(record["pid"]) if hasattr(report, "holder") else None
-            if now is None or now.get("starttime_ticks") == record.get("starttime_ticks"):
+            if now is None or holder.ident_of(now) == holder.ident_of(record):
                 out.append(record["pid"])
         return out
 
@@ -393,8 +393,8 @@ class Releaser(object):
         for gpu in report.gpus:
             if gpu["index"] in self.targets and not gpu["free"] and (gpu.get("by_container") or {}).get(vmid, 0) > 0:
                 return True
-        return any(h.get("container") == vmid and set(self.targets) & set(h["gpus"] + h["ambiguous_gpus"])
-                   for h in report.holders)
+        # a trigger to act: evidence (holds), beside the container's own memory on a target above
+        return any(h.get("container") == vmid and [t for t in self.targets if holder.holds(h, t)] for h in report.holders)
 
     def _escalate(self, records, watched):
         """SIGTERM, wait, SIGKILL the survivors, wait; returns the last wait's outcome."""
@@ -418,7 +418,7 @@ class Releaser(object):
         index_of = dict((g.get("uuid"), g["index"]) for g in self.engine.gpus if g.get("uuid"))
         deaths = {}
         for members in self._ranks:
-            gone = [m for m in members if not where.same_process(m[0], m[1], self.proc_root)]
+            gone = [m for m in members if not holder.same_process(m[:2], self.proc_root)]
             survivors = [m[0] for m in members if m not in gone]
             for pid, dummy, shares in gone:
                 for uuid, mib in shares.items():
@@ -434,7 +434,8 @@ class Releaser(object):
         keep = set(r["pid"] for r in decision.to_signal)
         out = []
         for record in survivors:
-            if record["pid"] in keep or record.get("_why") == "job_member":
+            # a job member stays planned with its job (decide's why of the first plan; decide writes no evidence)
+            if record["pid"] in keep or any(e["pid"] == record["pid"] and e["why"] == "job_member" for e in self.plan):
                 out.append(record)
             else:
                 self._record(record, "SIGKILL", "not sent: it no longer holds a targeted GPU")

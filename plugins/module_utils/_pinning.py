@@ -10,6 +10,8 @@ orphaned memory on N, the holder maps a context on N, and no other holder fits.
 
 from __future__ import annotations
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
+
 CONTEXT_MAP_LINES = 3         # row 12: a context maps its GPU's node 3 times on driver 580, a visible GPU twice
 DEFAULT_TOLERANCE_MIB = 640   # just above a bare context (612 MiB, row 20)
 
@@ -142,7 +144,9 @@ def residue(orphans, holders, jobs, rank_deaths=None):
     out = {}
     for index, deaths in (rank_deaths or {}).items():
         orphan = orphans.get(index)
-        if orphan is None or [h for h in holders if index in h["gpus"] or index in h["ambiguous_gpus"]]:
+        # evidence, not the upper bound: a holder pinned there (holds) or one the orphaned memory there fits among
+        # others (ambiguous) may own it; an unpinned holder that only maps it never does (every rank maps every GPU)
+        if orphan is None or [h for h in holders if holder.holds(h, index) or index in h["ambiguous_gpus"]]:
             continue
         size = orphan_mib(orphan)
         fitting = set()
@@ -155,14 +159,6 @@ def residue(orphans, holders, jobs, rank_deaths=None):
     return out
 
 
-def may_hold(record, index):
-    """The one answer to "may this process hold GPU index": pinned or ambiguous there, or pinned nowhere and
-    mapping it (or mapping no GPU at all). Status, the node scope, the container rung and the reset guard ask it."""
-    if index in record["gpus"] or index in record["ambiguous_gpus"]:
-        return True
-    mapped = record["maps_gpus"] or record.get("unknown_mapped")
-    return not record["gpus"] and (not mapped or index in record["maps_gpus"])
-
 
 def relevance(record, targets, all_targeted):
     """Why a holder concerns the targeted GPUs: 'pinned', 'unpinned_all_mapped', 'ambiguous', 'unpinned' or None.
@@ -170,10 +166,13 @@ def relevance(record, targets, all_targeted):
     A holder that maps a GPU NVML cannot describe (unknown_gpus, unknown_mapped) may hold that GPU, which
     is never targeted: it is never "all mapped".
     """
-    if targets & set(record["gpus"]):
+    # a trigger to act asks the evidence (holds): pinned to a targeted GPU
+    if [t for t in targets if holder.holds(record, t)]:
         return "pinned"
     if record["gpus"]:
         return None
+    # pinned nowhere: the upper bound (may_hold) is every GPU it maps (every GPU when it maps none); it is signalled
+    # only when that whole bound is targeted, and named (ambiguous, unpinned) otherwise
     mapped = set(record["maps_gpus"])
     # a GPU NVML cannot describe is never targeted: a holder that maps one (a context there, or 2 map
     # lines, which on another driver may be a context too) is never "all mapped"

@@ -137,7 +137,7 @@ def access(reading, minor):
 def access_unread(why):
     """The entry of a container whose device access could not be read from its node."""
     return {"check": "device_access", "reason": "device access could not be read inside the container: %s" % why,
-            "remedy": "check that the container runs and has python3, then run gpu_status inside it"}
+            "remedy": "check that the container runs and has python3, then run gpu_info inside it"}
 
 
 def unusable(blocked, index, minor):
@@ -175,7 +175,7 @@ def nvml_failure(error, kind):
 
 
 def gpu_verdict(gpu, threshold_mib, health_entries=(), access_entries=(), need_mib=None, need_fraction=None):
-    """(ready, not_ready) of one gpu_status GPU entry: free, capacity, health, device access, in that order."""
+    """(ready, not_ready) of one gpu_info GPU entry: free, capacity, health, device access, in that order."""
     if gpu.get("error"):
         not_ready = [nvml_failure(gpu["error"], gpu.get("error_kind"))]
         return False, not_ready + list(access_entries)

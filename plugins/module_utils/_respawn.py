@@ -8,60 +8,23 @@ wrapper that exits with its child. The watch follows each killed holder's ancest
 a targeted GPU by the pinning rule (a context mapped there, named by NVML; a GPU it only sees is not one, C3), or, at
 the window's end, when it is the same program as a killed holder (argv apart from numbers, its unit's main process,
 or its supervisord program) still starting. The watch reads the new processes and their maps, never a whole
-snapshot. No AnsibleModule here.
+snapshot: what it reads of a process it asks evidence (_lineage, _holder). No AnsibleModule here.
 """
 
 from __future__ import annotations
 
-import os
-import re
-
+from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _jobs as jobs
-from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
-from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
-from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
+from ansible_collections.gpuops.fleet.plugins.module_utils import _lineage as lineage
 from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import generic_unit
 
 CHAIN_MAX = 16
-_USER_MANAGER_RE = re.compile(r"/user@\d+\.service/init\.scope$")
 # ancestors that start many programs for many people: the watch stops below them (a new login is no respawn)
 NOT_WATCHED = ("sshd", "sshd-session", "cron", "crond", "atd", "systemd", "init", "dockerd", "containerd", "lxc-start",
                "lxc-attach", "tmux: server", "screen", "SCREEN", "login", "agetty")
 # managers that restart their programs: watched, and the watch stops at them
 RESTARTERS = ("supervisord", "runsv", "runsvdir", "s6-supervise", "s6-svscan", "containerd-shim", "conmon")
-
-
-def service_unit(cgroup):
-    """The systemd service (NAME.service: what Restart= starts again) a cgroup path names, inside its container when
-    it is in one (the first component below the slices, stopsets.systemd_unit), or None (a scope is no service)."""
-    inner = node.inner_cgroup(cgroup)
-    unit = stopsets.systemd_unit(inner if inner is not None else cgroup)
-    return unit[2] if unit and unit[2].endswith(".service") else None
-
-
-def _is_init(pid, proc_root):
-    """pid 1 of its PID namespace (a node's or a container's init), or a user's service manager (systemd --user, in
-    user@UID.service/init.scope): what starts units again (Restart=)."""
-    if pid == 1:
-        return True
-    try:
-        status = procscan.parse_status(procscan.read_text("%s/%d/status" % (proc_root, pid)))
-    except OSError:
-        return False
-    if (status.get("nspid") or [0])[-1] == 1:
-        return True
-    cgroup = procscan.read_cgroup(pid, proc_root) or ""
-    return status.get("name") == "systemd" and bool(_USER_MANAGER_RE.search(cgroup))
-
-
-def _chain(pid, proc_root):
-    """[{pid, name}] from pid up to the top of this PID namespace."""
-    out = []
-    for current in [pid] + procscan.ancestors(pid, proc_root)[:CHAIN_MAX]:
-        stat = procscan.read_stat(current, proc_root)
-        out.append({"pid": current, "name": stat["comm"] if stat else None})
-    return out
 
 
 def how_to_stop(parent, unit=None):
@@ -82,12 +45,12 @@ def identity(pid, proc_root, argv=None, cgroup=None, ppid=None):
         argv = jobs.read_argv(pid, proc_root)
     out = set([("argv", tuple(jobs.NUMBERS.sub("#", a) for a in argv))]) if argv else set()
     if cgroup is None:
-        cgroup = procscan.read_cgroup(pid, proc_root)
+        cgroup = lineage.cgroup_of(pid, proc_root)
     if ppid is None:
-        stat = procscan.read_stat(pid, proc_root)
+        stat = lineage.stat_of(pid, proc_root)
         ppid = stat["ppid"] if stat else None
-    unit = service_unit(cgroup)
-    if unit and not generic_unit(unit) and ppid and _is_init(ppid, proc_root):
+    unit = lineage.service_unit(cgroup)
+    if unit and not generic_unit(unit) and ppid and lineage.is_init(ppid, proc_root):
         out.add(("unit", cgroup))
     program = stopsets.supervisord_program(pid, proc_root)
     if program:
@@ -120,15 +83,15 @@ class RespawnWatch(object):
         self.parents.pop(record["pid"], None)
         self.identities |= identity(record["pid"], self.proc_root, record.get("_argv") or None, record.get("cgroup"),
                                     record.get("ppid"))
-        where = node.where_of_cgroup(record.get("cgroup"))
+        where = lineage.where_of_cgroup(record.get("cgroup"))
         current = record.get("ppid")
         for dummy in range(CHAIN_MAX):
             if not current or current in self.parents:
                 return
             stat, live = self._ancestor(current)
-            if stat is None or stat["comm"] in NOT_WATCHED and not (live and _is_init(current, self.proc_root)):
+            if stat is None or stat["comm"] in NOT_WATCHED and not (live and lineage.is_init(current, self.proc_root)):
                 return
-            if live and where is not None and node.where_of_cgroup(procscan.read_cgroup(current, self.proc_root)) != where:
+            if live and where is not None and lineage.where_of_cgroup(lineage.cgroup_of(current, self.proc_root)) != where:
                 return   # never above the holder's container (a pct exec's lxc-attach, the node's shell)
             if live and current not in self.killed and not self._watch(current, stat, record):
                 return
@@ -140,7 +103,7 @@ class RespawnWatch(object):
         """(stat, live) of an ancestor: read now; else, when it is gone since the snapshot (a wrapper that exited with
         its child between the signal and this read), the snapshot's stat, so that the walk goes on past it (W1);
         (None, False) when neither has it, or pid names another process now."""
-        stat, known = procscan.read_stat(pid, self.proc_root), self.stats.get(pid)
+        stat, known = lineage.stat_of(pid, self.proc_root), self.stats.get(pid)
         if stat is not None and (known is None or known["starttime"] == stat["starttime"]):
             return stat, True
         if known is not None and known["starttime"] < self.since:
@@ -149,16 +112,16 @@ class RespawnWatch(object):
 
     def _watch(self, pid, stat, record):
         """Watch pid; False when it is an init, watched only for a service's holder, and the chain ends there."""
-        init = _is_init(pid, self.proc_root)
-        unit = service_unit(record.get("cgroup")) if init else None
+        init = lineage.is_init(pid, self.proc_root)
+        unit = lineage.service_unit(record.get("cgroup")) if init else None
         if init and not unit:
             return False  # an orphan's adopter restarts nothing
         self.parents[pid] = {"pid": pid, "name": stat["comm"], "starttime": stat["starttime"],
-                             "chain": _chain(pid, self.proc_root), "unit": unit, "cgroup": record.get("cgroup")}
+                             "chain": lineage.chain(pid, self.proc_root, CHAIN_MAX), "unit": unit, "cgroup": record.get("cgroup")}
         return not init
 
     def live_parents(self):
-        return [p for p in self.parents.values() if procscan.same_process(p["pid"], p["starttime"], self.proc_root)]
+        return [p for p in self.parents.values() if holder.same_process((p["pid"], p["starttime"]), self.proc_root)]
 
     def _new_processes(self):
         """{pid: stat} of the processes started since the kill that this release did not know.
@@ -167,10 +130,10 @@ class RespawnWatch(object):
         only what is new); one that leaves the listing may come back as a new process.
         """
         out = {}
-        listed = set(int(name) for name in os.listdir(self.proc_root) if name.isdigit())
+        listed = lineage.listed_pids(self.proc_root)
         self.old &= listed
         for pid in listed - self.known - self.old:
-            stat = procscan.read_stat(pid, self.proc_root)
+            stat = lineage.stat_of(pid, self.proc_root)
             if stat is None:
                 continue
             if stat["starttime"] >= self.since:
@@ -185,37 +148,15 @@ class RespawnWatch(object):
         for dummy in range(CHAIN_MAX):
             ppid = new[current]["ppid"]
             parent = self.parents.get(ppid)
-            if parent is not None and procscan.same_process(ppid, parent["starttime"], self.proc_root):
+            if parent is not None and holder.same_process((ppid, parent["starttime"]), self.proc_root):
                 return parent
             if ppid not in new:
                 return None
             current = ppid
         return None
 
-    def _context_on_target(self, pid):
-        """True when pid maps a targeted GPU with a context's signature (CONTEXT_MAP_LINES lines, row 12): a GPU it
-        only sees (2 lines, row 9) is not one."""
-        try:
-            maps = procscan.read_bytes("%s/%d/maps" % (self.proc_root, pid))
-        except OSError:
-            return False
-        root = "%s/%d/root" % (self.proc_root, pid)
-        for path, lines in procscan.parse_maps_counts(maps, self.devices).items():
-            kind = self.devices.classify(path)
-            if not kind or kind[0] != "gpu" or lines < pinning.CONTEXT_MAP_LINES:
-                continue
-            if None in self.target_minors or procscan.gpu_minor(path, self.devices, root) in self.target_minors:
-                return True
-        return False
-
     def _same_program(self, pid):
         return bool(identity(pid, self.proc_root) & self.identities)
-
-    def _cgroup(self, pid):
-        try:
-            return procscan.parse_cgroup(procscan.read_text("%s/%d/cgroup" % (self.proc_root, pid)))
-        except OSError:
-            return None
 
     def poll(self, nvml_named=None):
         """The first respawn seen now, as the `respawned` dict, or None.
@@ -235,12 +176,13 @@ class RespawnWatch(object):
             parent = self._watched_parent(pid, new)
             if parent is None or stat["state"] in ("Z", "X"):
                 continue
-            if parent["unit"] and self._cgroup(pid) != parent["cgroup"]:
+            if parent["unit"] and lineage.parsed_cgroup(pid, self.proc_root) != parent["cgroup"]:
                 continue  # an init's new child of another unit
-            if self._context_on_target(pid):
+            contexts = lineage.contexts_on(pid, self.proc_root, self.devices, self.target_minors)
+            if contexts:
                 if named is None:
                     named = set(nvml_named()) if nvml_named is not None else None
-                if (named is None or pid in named) and procscan.same_process(pid, stat["starttime"], self.proc_root):
+                if held_targets(pid, contexts, named) and holder.same_process((pid, stat["starttime"]), self.proc_root):
                     return self._found(pid, stat, parent, "%s, holding a targeted GPU (a context mapped%s)" % (
                         "the same program as a killed holder" if self._same_program(pid) else "started under it after "
                         "the kill", "" if named is None else ", named by NVML"))
@@ -261,10 +203,19 @@ class RespawnWatch(object):
         if self.found is not None:
             return self.found
         for pid, (stat, parent) in sorted(self.pending.items()):
-            if self._same_program(pid) and procscan.same_process(pid, stat["starttime"], self.proc_root):
+            if self._same_program(pid) and holder.same_process((pid, stat["starttime"]), self.proc_root):
                 return self._found(pid, stat, parent, "the same program as a killed %s started again, still "
                                    "starting (no GPU mapped yet)" % stat["comm"])
         return None
+
+
+def held_targets(pid, contexts, named):
+    """The targeted GPUs (minors) a new process holds by the watch's evidence: a respawn is a trigger to act, so it
+    asks holds, never the upper bound (a GPU it only sees, or maps, is no respawn). contexts: the targeted minors
+    where it maps a context; named: the pids NVML names on the targeted GPUs (None: not asked). The watch reads no
+    orphaned memory: a process NVML does not name holds nothing here."""
+    evidence = {"pid": pid, "gpus": list(contexts) if named is None or pid in named else []}
+    return [m for m in contexts if holder.holds(evidence, m)]
 
 
 def respawn_message(found):

@@ -14,6 +14,7 @@ import signal
 import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _deps as deps
+from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _where as where
 
 psutil = None
@@ -22,11 +23,8 @@ with deps.declare("psutil", reason="to signal processes, each guarded against pi
 
 
 def alive(record, proc_root="/proc"):
-    """Still the same process and still able to hold something (a one-thread zombie holds nothing)."""
-    stat = where.stat_of(record["pid"], proc_root)
-    if stat is None or stat["starttime"] != record["starttime_ticks"]:
-        return False
-    return not (stat["state"] in ("Z", "X") and stat["num_threads"] <= 1)
+    """Still the same process and still able to hold something: the evidence's answer (_holder.alive)."""
+    return holder.alive(record, proc_root)
 
 
 def _now_ticks(proc_root="/proc"):
@@ -65,7 +63,7 @@ def _refusal(record, proc_root, recheck):
     stat = where.stat_of(pid, proc_root)
     if stat is None:
         return "gone"
-    if stat["starttime"] != record["starttime_ticks"]:
+    if (pid, stat["starttime"]) != holder.ident_of(record):
         return "not sent: pid %d was reused by another process" % pid
     refusal = recheck(record) if recheck is not None else None
     if refusal == "gone":

@@ -9,7 +9,7 @@ a refusal or a failure says. Nothing here reads /proc or NVML, signals or stops 
 from __future__ import annotations
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
-from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
+from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import gpu_list_words, stuck_in_driver
 
 
@@ -42,7 +42,7 @@ def free_words(report):
 
 def scope_holders(report, index, scope):
     """Holders of GPU index that a node-side release's scope covers."""
-    return [h for h in report.holders if scope.allows(h.get("container") or "") and pinning.may_hold(h, index)]
+    return [h for h in report.holders if scope.allows(h.get("container") or "") and holder.may_hold(h, index)]  # the upper bound
 
 
 def free_for_scope(report, gpu, scope):

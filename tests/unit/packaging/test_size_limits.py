@@ -23,15 +23,13 @@ MIN_SIMILARITY_LINES = 6
 KNOWN_OVER = {
     "lines": {
         "plugins/module_utils/_release.py::release", "plugins/module_utils/_release.py::release.locked",
-        "plugins/module_utils/_release.py::Releaser.__init__", "plugins/module_utils/_gpu_engine.py::diagnose",
-        "plugins/module_utils/_gpu_engine.py::Engine.snapshot", "plugins/module_utils/_gpu_engine.py::Engine.details",
-        "plugins/module_utils/_decide.py::decide", "plugins/modules/gpu_release.py::main",
+        "plugins/module_utils/_release.py::Releaser.__init__", "plugins/modules/gpu_release.py::main",
     },
     "branches": {
         "plugins/module_utils/_release.py::send_guarded", "plugins/module_utils/_release.py::Releaser.run",
-        "plugins/module_utils/_release.py::release.locked", "plugins/module_utils/_gpu_engine.py::diagnose",
+        "plugins/module_utils/_release.py::release.locked",
     },
-    "files": {"plugins/module_utils/_release.py", "plugins/module_utils/_gpu_engine.py"},
+    "files": {"plugins/module_utils/_release.py"},
 }
 
 

@@ -2,7 +2,8 @@ import time
 
 import pytest
 
-from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine, fmt_mib
+from ansible_collections.gpuops.fleet.plugins.module_utils._diagnose import fmt_mib
+from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import Nvml, NvmlFailure
 
 from conftest import CTL, UVM, ctx, vis
@@ -266,7 +267,7 @@ def test_mps_server_is_signalled_only_with_all_of_its_clients_and_clients_get_te
 
 
 def test_the_mps_control_daemon_is_protected_by_its_full_name():
-    from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import mps_role, protected_name
+    from ansible_collections.gpuops.fleet.plugins.module_utils._procnames import mps_role, protected_name
     control = ["nvidia-cuda-mps", "nvidia-cuda-mps-control"]
     server = ["nvidia-cuda-mps", "nvidia-cuda-mps-server"]
     assert protected_name(control) == "nvidia-cuda-mps-control" and mps_role(control) == "control"

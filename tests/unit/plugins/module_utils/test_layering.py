@@ -9,9 +9,10 @@ PLUGINS = os.path.normpath(os.path.join(HERE, "..", "..", "..", "..", "plugins")
 PREFIX = "ansible_collections.gpuops.fleet.plugins.module_utils"
 
 LAYERS = {
-    "read": ("_helperproc", "_procread", "_procscan", "_nvml", "_nvmlhelper", "_pveconf", "_node", "_redact", "_selectors", "_access", "_mps",
-             "_deps"),
-    "evidence": ("_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_gpu_engine", "_where"),
+    "read": ("_helperproc", "_procread", "_procscan", "_nvml", "_nvmlhelper", "_pveconf", "_node", "_redact", "_selectors",
+             "_access", "_mps", "_deps", "_procnames"),
+    "evidence": ("_holder", "_lineage", "_pinning", "_jobs", "_shm", "_ready", "_blockers", "_stopsets", "_shmplaces",
+                 "_report", "_diagnose", "_gpu_engine", "_where"),
     "decide": ("_decide", "_verdict"),
     "act": ("_hardstop", "_respawn", "_restart", "_units", "_locks", "_shmclean", "_signals", "_rungs", "_ladder", "_release"),
     "glue": ("_params", "_outcome"),   # the modules' options and result shape: above act, beside the modules
@@ -70,4 +71,4 @@ def test_read_only_gpu_status_depends_on_no_decision_or_signalling_code_and_not_
 def test_the_decision_step_reads_nothing():
     """Pure: no /proc, NVML, subprocess or signal; only evidence records in, a plan out."""
     ours, packages = imports_of(os.path.join(PLUGINS, "module_utils", "_decide.py"))
-    assert ours <= {"_pinning", "_selectors"} and packages <= {"__future__", "ansible_collections"}
+    assert ours <= {"_holder", "_pinning", "_selectors"} and packages <= {"__future__", "ansible_collections"}

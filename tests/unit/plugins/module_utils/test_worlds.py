@@ -9,15 +9,22 @@ never the engine's own evidence. `make test` runs 2,000 worlds; `make test-deep`
 (GPUOPS_WORLDS).
 """
 
+import copy
 import itertools
 import os
 import random
 
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from ansible_collections.gpuops.fleet.plugins.module_utils import _holder as holder
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
-from ansible_collections.gpuops.fleet.plugins.module_utils._decide import decide
+from ansible_collections.gpuops.fleet.plugins.module_utils._blockers import plan as reset_plan
+from ansible_collections.gpuops.fleet.plugins.module_utils._decide import (
+    decide, plan_entry, reset_blockers, set_collateral, stop_set_verdict,
+)
 from ansible_collections.gpuops.fleet.plugins.module_utils._jobs import group_jobs, signatures
+from ansible_collections.gpuops.fleet.plugins.module_utils._report import gpu_entry
+from ansible_collections.gpuops.fleet.plugins.module_utils._respawn import held_targets
 from release_opts import release_opts
 
 WORLDS = int(os.environ.get("GPUOPS_WORLDS", "2000"))
@@ -150,7 +157,7 @@ def target_sets(world):
 
 
 def summary(decision):
-    return (sorted((r["pid"], r["_why"]) for r in decision.to_signal), sorted(s["pid"] for s in decision.skipped),
+    return (sorted((r["pid"], why) for r, why in decision.chosen), sorted(s["pid"] for s in decision.skipped),
             sorted(decision.refusals))
 
 
@@ -165,12 +172,12 @@ def test_no_plan_signals_a_process_that_truly_holds_no_targeted_gpu(seed):
     for targets in target_sets(world):
         for collateral in ("refuse", "stop"):
             decision = decide(report, targets, [g for g in all_indexes if g not in world["lost"]], collateral=collateral)
-            for record in decision.to_signal:
+            for record, why in decision.chosen:
                 holds = truth[record["pid"]] & targets
                 if collateral == "refuse":       # invariants 1 and 2
-                    assert holds, (record["pid"], record["_why"], sorted(targets), world)
+                    assert holds, (record["pid"], why, sorted(targets), world)
                 elif not holds:                  # only as a member of a true job that holds a target
-                    assert record["_why"] == "job_member" and record["pid"] in world["job"], (record, world)
+                    assert why == "job_member" and record["pid"] in world["job"], (record, world)
                     assert any(truth[m] & targets for m in world["job"]), world
             # each refusal names the processes it is about (a node-side release leaves their containers out), and
             # one of them is among the holders the refusal concerns
@@ -265,3 +272,124 @@ def test_free_is_only_read_from_every_targeted_uuid_after_any_reinit(seed):
             assert releaser._memory_free() == truly_free, (seed, wanted, now)
     finally:
         engine.nvml.shutdown()      # its worker thread ends: thousands of examples leave none behind
+
+
+# ---- one holder type, two predicates (issue 46): every rule asks may_hold or holds, and they agree
+
+class _StatusEngine(object):
+    """What the report's GPU entry reads of an Engine: GPUs whose minor is their index, none free."""
+    in_container = False
+
+    @staticmethod
+    def gpu(index):
+        return {"index": index, "minor": index}
+
+    @staticmethod
+    def is_free(dummy):
+        return False
+
+
+def frozen_steps(world):
+    """The engine's steps as a snapshot runs them: pin, jobs, then every record a read-only Holder (as
+    _gpu_engine's _frozen), then residue; returns (report, views, orphans)."""
+    records, views = evidence(world)
+    orphans, dummy = pinning.pin(records, views, slack_mib=64)
+    for record in records:
+        record["unattributed"] = not record["gpus"] and not record["unknown_gpus"]
+        record.update(fd_gpu_minors=[], starttime_ticks=100 + record["pid"], mps_role=None)
+    signs = dict((r["pid"], signatures(r, "/nonexistent")) for r in records)
+    pairs = set(pair for pair in world["links"] if pair[0] in signs and pair[1] in signs)
+    jobs, dummy = group_jobs(records, pairs, signs)
+    holders = dict((h["pid"], h) for h in holder.freeze(records))
+    for job in jobs.values():
+        job["members"] = [holders[m["pid"]] for m in job["members"]]
+    holders = sorted(holders.values(), key=lambda h: h["pid"])
+    residue = pinning.residue(orphans, holders, jobs, {})
+    unknown = [{"minor": g, "index": None, "held_by": sorted(r["pid"] for r in holders if g in r["unknown_gpus"])}
+               for g in sorted(world["lost"])]
+    report = Evidence(holders, jobs, residue, unknown)
+    report.clients, report.unreadable = [], []
+    report.gpus = [{"index": g, "minor": g} for g in range(world["gpus"]) if g not in world["lost"]]
+    return report, views, orphans
+
+
+def _status_holders(report, views, orphans, index):
+    """gpu_info's entry of GPU index (the real _report.gpu_entry): the pids it names as holding it."""
+    view = {"error": None, "error_kind": None, "procs": views[index]["procs"],
+            "memory": {"total_mib": 81920, "used_mib": views[index]["used_mib"], "reserved_mib": 0,
+                       "v1_used_mib": views[index]["used_mib"]}}
+    entry = gpu_entry(_StatusEngine(), index, view, report.holders, report.clients, orphans, report.jobs,
+                      report.residue, True)
+    return set(entry["holders"])
+
+
+@settings(max_examples=WORLDS, deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(SEEDS)
+def test_status_release_the_restart_rung_the_reset_guard_and_the_respawn_watch_agree(seed):
+    """Per (pid, GPU): status, decide and the respawn watch answer holds; the reset guard (decide's and the reset's
+    blockers plan), the restart rung's collateral and decide's unpinned choice answer may_hold. Each is the real code path, compared with the
+    Holder's own predicate."""
+    world = make_world(seed)
+    report, views, orphans = frozen_steps(world)
+    known = [g for g in range(world["gpus"]) if g not in world["lost"]]
+    assert all(isinstance(h, holder.Holder) for h in report.holders)
+    restart = stop_set_verdict({"kind": "container", "members": [
+        {"pid": h["pid"], "name": h["name"], "why": "a process of the container"} for h in report.holders]},
+        report, set(), known, [], {}, "stop")
+    restart_may = set((c["pid"], g) for c in restart["collateral"] for g in c["gpus"] if isinstance(g, int))
+    for g in known:
+        holds = set(h["pid"] for h in report.holders if h.holds(g))
+        may = set(h["pid"] for h in report.holders if h.may_hold(g))
+        assert holds <= may, (g, world)
+        # status (gpu_info) names as holders those that hold it
+        assert _status_holders(report, views, orphans, g) == holds, (g, world)
+        # release: what decide signals as pinned holds a target; what it signals unpinned may hold only targets
+        decision = decide(report, {g}, known)
+        assert set(h["pid"] for h, why in decision.chosen if why == "pinned") == holds, (g, world)
+        for h, why in decision.chosen:
+            if why == "unpinned_all_mapped":
+                assert [t for t in known if h.may_hold(t)] == [g], (h["pid"], g, world)
+        # the reset guard (the ladder's refusal, and the reset's blockers plan) and the restart rung's collateral:
+        # the upper bound
+        assert set(b["pid"] for b in reset_blockers(report, {"index": g, "minor": g, "blocked": ()})) == may, world
+        blockers, dummy = reset_plan(report, [g], {}, "refuse", [{"index": i} for i in known])
+        assert set(int(b["what"].split()[1]) for b in blockers if b["kind"] == "user_holder") == may, (g, world)
+        assert set(p for p, i in restart_may if i == g) == may, (g, world)
+        # the respawn watch (its contexts on the target, NVML's names there): holds, wherever NVML names the
+        # process; it reads no orphaned memory, so it never sees more than holds
+        named = set(p["pid"] for p in views[g]["procs"])
+        for h in report.holders:
+            watched = bool(held_targets(h["pid"], [i for i in h["context_gpus"] if i == g], named))
+            assert watched == (h.holds(g) and h["pid"] in named) and (not watched or h.holds(g)), (h["pid"], g, world)
+
+
+@settings(max_examples=max(200, WORLDS // 4), deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(SEEDS)
+def test_the_decision_step_leaves_its_inputs_unchanged(seed):
+    """decide, the stop-set verdicts, the reset guard, relevance and residue never write into the evidence, the
+    targets or the options: a deep copy taken before each call equals them after."""
+    world = make_world(seed)
+    report = engine_steps(world)
+    report.clients, report.unreadable = [], []
+    known = [g for g in range(world["gpus"]) if g not in world["lost"]]
+    members = [{"pid": h["pid"], "name": h["name"], "why": "x", "uid": 0} for h in report.holders]
+    orphans = pinning.orphaned_memory(evidence(world)[1], [], 64)
+    for targets in target_sets(world):
+        for collateral in ("refuse", "stop"):
+            options = {"match": None, "protect": None, "protect_pids": [1], "collateral": collateral,
+                       "tolerance_mib": 640}
+            before = copy.deepcopy((vars(report), targets, known, options, members))
+            decision = decide(report, targets, known, **options)
+            for record, dummy in decision.chosen:
+                plan_entry(record, targets, decision, 640)
+            stop_set_verdict({"kind": "container", "members": members}, report, targets, known,
+                             [h["pid"] for h in decision.to_signal], {}, collateral)
+            set_collateral(members, report, targets, known, [], 640)
+            for g in known:
+                reset_blockers(report, {"index": g, "minor": g, "blocked": ()})
+            for record in report.holders:
+                pinning.relevance(record, targets, set(known) <= targets)
+            pinning.residue(orphans, report.holders, report.jobs, {})
+            assert copy.deepcopy((vars(report), targets, known, options, members)) == before, world

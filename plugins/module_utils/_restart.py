@@ -14,7 +14,7 @@ import time
 
 from ansible_collections.gpuops.fleet.plugins.module_utils import _deps as deps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _helperproc as helperproc
-from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
+from ansible_collections.gpuops.fleet.plugins.module_utils import _where as where
 
 PCT_DIRS = ("/usr/sbin", "/usr/bin", "/sbin", "/bin")
 TASK_POLL_S = 0.25
@@ -37,20 +37,20 @@ class PctBackend(object):
 
     name = "pct"
 
-    def __init__(self, pct=None, conf_dir=node.PVE_LXC_DIR, ha_path=node.PVE_HA_RESOURCES):
+    def __init__(self, pct=None, conf_dir=where.PVE_LXC_DIR, ha_path=where.PVE_HA_RESOURCES):
         self.pct = pct or find_pct()
         self.conf_dir = conf_dir
         self.ha_path = ha_path
 
     def lock_of(self, vmid):
-        confs = node.read_pve_confs(self.conf_dir) or {}
+        confs = where.container_configs(self.conf_dir) or {}
         conf = confs.get(str(vmid))
         if conf is None:
             raise RestartError("container %s has no config in %s on this node" % (vmid, self.conf_dir))
         return conf["keys"].get("lock")
 
     def ha_state(self, vmid):
-        return node.read_ha_resources(self.ha_path).get(str(vmid))
+        return where.ha_resources(self.ha_path).get(str(vmid))
 
     def _run(self, action, vmid, timeout):
         if self.pct is None:

@@ -31,9 +31,9 @@ STATE_CHANGES = {
     "shutil": ("rmtree", "move", "chown"),
 }
 PROCESS_METHODS = ("send_signal", "terminate")   # psutil.Process's; kill() is checked by its receiver below
-# Known exceptions until the other slices of issue 46 are merged.
-SEES_ANSIBLE_MODULE = {"_gpu_engine"}   # params slice removes
-READS_BELOW_EVIDENCE = {"_respawn": "holder slice rewires it", "_restart": "params slice owns its import block"}
+# Known exceptions: none since issue 46's slices were merged (a new one names its reason here).
+SEES_ANSIBLE_MODULE = set()
+READS_BELOW_EVIDENCE = {}
 
 
 def tree_of(name):

@@ -159,7 +159,6 @@ def residue(orphans, holders, jobs, rank_deaths=None):
     return out
 
 
-
 def relevance(record, targets, all_targeted):
     """Why a holder concerns the targeted GPUs: 'pinned', 'unpinned_all_mapped', 'ambiguous', 'unpinned' or None.
 

@@ -153,7 +153,7 @@ def test_m2_a_release_of_gpu_0_terminates_its_client_and_leaves_the_server(proc,
     sent = []
     monkeypatch.setattr(ladder, "send_guarded", fake_signals(proc, fake, sent))
     failed, msg, result = release(engine_for(proc, fake), [0], OPTS, lock_dir=str(tmp_path / "locks"),
-                                              deadline=time.monotonic() + 30)
+                                  deadline=time.monotonic() + 30)
     assert failed and msg.startswith("GPU 0 not free after the ladder"), msg
     assert [pid for pid, dummy in sent] == [301]
     steps = [(a["pid"], a["signal"], a["outcome"]) for a in result["actions"]]
@@ -243,7 +243,7 @@ def test_h1_a_control_daemon_that_never_answers_ends_the_release_within_its_time
     timeout = 3.0
     started = time.monotonic()
     failed, msg, result = release(engine_for(proc, fake), [0], dict(OPTS, timeout=timeout),
-                                              lock_dir=str(tmp_path / "locks"), deadline=started + timeout)
+                                  lock_dir=str(tmp_path / "locks"), deadline=started + timeout)
     took = time.monotonic() - started
     assert took < timeout + 1.0 and result["elapsed_s"] < timeout + 1.0, (took, result["elapsed_s"])
     assert failed and sent == []

@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VERSIONS = ("2.16", "2.17", "2.18", "2.19", "2.20")
 PICK_PYTHON = os.path.join(REPO, "tests", "tools", "pick_python.sh")
 DEV_PACKAGES = ("pytest>=8", "pytest-xdist>=3.6", "hypothesis>=6", "voluptuous", "pyyaml",
-                "pylint==4.0.5")   # pylint: the size checks of tests/unit/packaging/test_size_limits.py
+                "pylint==4.0.5")   # the size checks of tests/unit/packaging/test_size_limits.py run pylint
 CELLS = ("unit", "connection", "role", "sanity")
 
 

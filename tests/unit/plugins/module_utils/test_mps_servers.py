@@ -16,7 +16,6 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _ladder as lad
 from ansible_collections.gpuops.fleet.plugins.module_utils import _mps as mps
 from ansible_collections.gpuops.fleet.plugins.module_utils import _rungs as rungs
 from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
-from ansible_collections.gpuops.fleet.plugins.module_utils import _release as release_mod
 from release_opts import release
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import decide
 from ansible_collections.gpuops.fleet.plugins.module_utils._gpu_engine import Engine

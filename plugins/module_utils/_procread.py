@@ -11,6 +11,7 @@ No AnsibleModule here.
 from __future__ import annotations
 
 import errno
+import inspect
 import os
 import re
 import select
@@ -57,19 +58,8 @@ def watchdog():
             out.flush()
 threading.Thread(target=watchdog, daemon=True).start()
 def whole(path, cap):
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        chunks, size = [], 0
-        while size <= cap:
-            chunk = os.read(fd, min(65536, cap + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-        data = b"".join(chunks)
-        return data[:cap], len(data) > cap
-    finally:
-        os.close(fd)
+    data = read_capped(path, cap)
+    return data[:cap], len(data) > cap
 def fd_identity(path, name, mounts):
     # b"\x01DEV INO" of an open file from procfs alone (fdinfo's mnt_id and ino, mountinfo's device of that mount):
     # never a stat through the fd link, which would ask the file's own file system (a hung FUSE mount blocks it)
@@ -204,6 +194,17 @@ class ReadBlocked(OSError):
 def _direct_read(path):
     """The file's first cap_for(path) bytes (Truncated when it had more)."""
     cap = cap_for(path)
+    data = read_capped(path, cap)
+    return Truncated(data[:cap]) if len(data) > cap else data
+
+
+def reader_program():
+    """The helper's program: READER_SOURCE with read_capped, the one copy of the capped read, before it."""
+    return "import os\n" + inspect.getsource(read_capped) + READER_SOURCE
+
+
+def read_capped(path, cap):
+    """Up to cap + 1 bytes of path (one more than cap says that it was cut); the reader's helper runs this too."""
     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     try:
         chunks, size = [], 0
@@ -215,8 +216,7 @@ def _direct_read(path):
             size += len(chunk)
     finally:
         os.close(fd)
-    data = b"".join(chunks)
-    return Truncated(data[:cap]) if len(data) > cap else data
+    return b"".join(chunks)
 
 
 def _direct_text(path):
@@ -342,7 +342,7 @@ class BoundedReader(object):
         An errno answer is an OSError in the list. A helper without every answer is abandoned, whatever
         ended the wait; _HelperFailed (with .answered) when it died or broke its pipe."""
         if lane.proc is None:
-            lane.proc = helperproc.spawn(READER_SOURCE, python_flags=["-S"])
+            lane.proc = helperproc.spawn(reader_program(), python_flags=["-S"])
             with self._ids:
                 self.started += 1
         with self._ids:

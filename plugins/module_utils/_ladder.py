@@ -67,6 +67,7 @@ class Releaser(object):
         self.proc_root = engine.proc_root
         self.rung = "none"
         self.signalled, self.protected, self.jobs = {}, {}, {}  # pid -> record; pid -> why left alone (decide)
+        self.why_of = {}         # pid -> why the latest decision that chose it chose it (decide's pairs)
         self.skipped, self.to_signal, self.plan, self.refusals, self.linked, self.restart_plan = [], [], [], [], [], []
         self.refused_in = []     # per refusal, the set of containers (vmids) it is about; empty: not only containers
         self._ranks, self._known_pids, self.rank_deaths = [], set(), {}
@@ -260,6 +261,7 @@ class Releaser(object):
         """Decide whom to signal; returns the plan (check mode's answer). self.refusals stops the task."""
         decision = self._decide(report)
         self.to_signal, self.skipped, self.refusals = decision.to_signal, decision.skipped, decision.refusals
+        self.why_of.update((r["pid"], why) for r, why in decision.chosen)   # the latest decision's why wins
         self.protected = decision.protected
         place_of = dict((r["pid"], r.get("container")) for r in list(report.holders) + list(report.clients))
         self.refused_in = [self._containers_of(pids, place_of) for pids in decision.refused_pids]
@@ -393,8 +395,11 @@ class Releaser(object):
         for gpu in report.gpus:
             if gpu["index"] in self.targets and not gpu["free"] and (gpu.get("by_container") or {}).get(vmid, 0) > 0:
                 return True
-        # a trigger to act: evidence (holds), beside the container's own memory on a target above
-        return any(h.get("container") == vmid and [t for t in self.targets if holder.holds(h, t)] for h in report.holders)
+        # a trigger to act needs evidence: a holder of the container holds a target, or is one of the processes that
+        # a target's orphaned memory fits (ambiguous: memory seen, owner not told apart), beside its memory above;
+        # a mapping alone (may_hold's unpinned arm) never restarts a container
+        return any(h.get("container") == vmid and [t for t in self.targets if holder.holds(h, t) or t in h["ambiguous_gpus"]]
+                   for h in report.holders)
 
     def _escalate(self, records, watched):
         """SIGTERM, wait, SIGKILL the survivors, wait; returns the last wait's outcome."""
@@ -434,8 +439,8 @@ class Releaser(object):
         keep = set(r["pid"] for r in decision.to_signal)
         out = []
         for record in survivors:
-            # a job member stays planned with its job (decide's why of the first plan; decide writes no evidence)
-            if record["pid"] in keep or any(e["pid"] == record["pid"] and e["why"] == "job_member" for e in self.plan):
+            # a job member stays planned with its job (the why of the decision that chose it; decide writes no evidence)
+            if record["pid"] in keep or self.why_of.get(record["pid"]) == "job_member":
                 out.append(record)
             else:
                 self._record(record, "SIGKILL", "not sent: it no longer holds a targeted GPU")
@@ -451,6 +456,7 @@ class Releaser(object):
                             + " | ".join(decision.refusals))
             return []
         for record in fresh:
+            self.why_of[record["pid"]] = decision.why_of(record["pid"])
             self.plan.append(plan_entry(record, self.targets, decision, self.opts.collateral_tolerance_mib))
         return fresh
 

@@ -37,10 +37,10 @@ class PctBackend(object):
 
     name = "pct"
 
-    def __init__(self, pct=None, conf_dir=where.PVE_LXC_DIR, ha_path=where.PVE_HA_RESOURCES):
+    def __init__(self, pct=None, conf_dir=None, ha_path=None):
         self.pct = pct or find_pct()
-        self.conf_dir = conf_dir
-        self.ha_path = ha_path
+        self.conf_dir = conf_dir or where.pve_lxc_dir()
+        self.ha_path = ha_path or where.pve_ha_resources()
 
     def lock_of(self, vmid):
         confs = where.container_configs(self.conf_dir) or {}

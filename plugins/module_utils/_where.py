@@ -61,10 +61,12 @@ def pve_ha_resources():
 
 
 def container_configs(conf_dir):
+    """{vmid: parsed config} of this node's containers (the container rung's lock), or None when unreadable."""
     return node.read_pve_confs(conf_dir)
 
 
 def ha_resources(path):
+    """{vmid: HA resource} of the cluster's HA-managed guests (a container the HA manager would start again)."""
     return node.read_ha_resources(path)
 
 
@@ -82,16 +84,3 @@ def attach_argv(vmid, argv, attach="lxc-attach"):
     """argv run inside container vmid by its own tools (a pure argv builder)."""
     return node.attach_argv(vmid, argv, attach)
 
-
-PVE_LXC_DIR = node.PVE_LXC_DIR
-PVE_HA_RESOURCES = node.PVE_HA_RESOURCES
-
-
-def container_configs(conf_dir=PVE_LXC_DIR):
-    """{vmid: parsed config} of this node's containers (the container rung's lock and state), or None unreadable."""
-    return node.read_pve_confs(conf_dir)
-
-
-def ha_resources(ha_path=PVE_HA_RESOURCES):
-    """{vmid: HA resource} of the cluster's HA-managed guests (a container the HA manager would start again)."""
-    return node.read_ha_resources(ha_path)

@@ -83,4 +83,3 @@ def owner_of(pid, proc_root="/proc"):
 def attach_argv(vmid, argv, attach="lxc-attach"):
     """argv run inside container vmid by its own tools (a pure argv builder)."""
     return node.attach_argv(vmid, argv, attach)
-

@@ -490,7 +490,7 @@ class Engine(ShmPlaces):
 def _frozen(holders, clients, jobs):
     """(holders, clients) as read-only Holders, once pinning and jobs have set every field; each job's members are
     the same Holders."""
-    by_pid = dict((r["pid"], holder.Holder(r)) for r in holders + clients)
+    by_pid = dict((h["pid"], h) for h in holder.freeze(holders + clients))
     for job in jobs.values():
         job["members"] = [by_pid[m["pid"]] for m in job["members"]]
     return [by_pid[r["pid"]] for r in holders], [by_pid[r["pid"]] for r in clients]

@@ -22,7 +22,8 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _where as wher
 from ansible_collections.gpuops.fleet.plugins.module_utils._decide import decide, plan_entry, stop_set_verdict
 from ansible_collections.gpuops.fleet.plugins.module_utils._nvml import NvmlFailure
 from ansible_collections.gpuops.fleet.plugins.module_utils._rungs import find_nvidia_smi
-from ansible_collections.gpuops.fleet.plugins.module_utils._signals import _now_ticks, alive, send_guarded
+from ansible_collections.gpuops.fleet.plugins.module_utils._holder import alive
+from ansible_collections.gpuops.fleet.plugins.module_utils._signals import _now_ticks, send_guarded
 from ansible_collections.gpuops.fleet.plugins.module_utils._verdict import targets_free
 
 # The ladder, in order; the one list of rungs (issue 46): the gpu_report callback reads it. "stop" (units stopped, no

@@ -16,13 +16,12 @@ from ansible_collections.gpuops.fleet.plugins.module_utils import _node as node
 from ansible_collections.gpuops.fleet.plugins.module_utils import _pinning as pinning
 from ansible_collections.gpuops.fleet.plugins.module_utils import _procscan as procscan
 from ansible_collections.gpuops.fleet.plugins.module_utils import _stopsets as stopsets
+from ansible_collections.gpuops.fleet.plugins.module_utils import _where as where
 
 _USER_MANAGER_RE = re.compile(r"/user@\d+\.service/init\.scope$")
 
 
-def stat_of(pid, proc_root="/proc"):
-    """/proc/PID/stat's fields (comm, ppid, state, starttime, session, tty_nr, ...), or None when it is gone."""
-    return procscan.read_stat(pid, proc_root)
+stat_of = where.stat_of   # /proc/PID/stat's fields, or None when it is gone: the one evidence wrapper of read_stat
 
 
 def ancestors(pid, proc_root="/proc"):

@@ -22,11 +22,6 @@ with deps.declare("psutil", reason="to signal processes, each guarded against pi
     import psutil
 
 
-def alive(record, proc_root="/proc"):
-    """Still the same process and still able to hold something: the evidence's answer (_holder.alive)."""
-    return holder.alive(record, proc_root)
-
-
 def _now_ticks(proc_root="/proc"):
     """Now, in the clock ticks since boot that /proc/PID/stat's starttime uses.
 

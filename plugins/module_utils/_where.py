@@ -22,11 +22,6 @@ def stat_of(pid, proc_root="/proc"):
     return procscan.read_stat(pid, proc_root)
 
 
-def same_process(pid, starttime, proc_root="/proc"):
-    """Whether pid still names the process that started at starttime (clock ticks since boot)."""
-    return procscan.same_process(pid, starttime, proc_root)
-
-
 def uptime_text(proc_root):
     """The text of PROC_ROOT/uptime (a recorded /proc tree's clock)."""
     return procscan.read_text("%s/uptime" % proc_root)
